@@ -1,0 +1,376 @@
+"""EngineConfig: the one configuration object, validated once at construction.
+
+Runner selection and Model Runner V2 validation follow vLLM (docs/runners.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable
+
+import torch
+
+from pdserve import envs
+
+logger = logging.getLogger(__name__)
+
+# MoE architectures that default to Model Runner V2; every other MoE model defaults to V1.
+DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES = frozenset(
+    {"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"}
+)
+# Speculative methods Model Runner V2 accepts (pdserve itself implements none yet).
+V2_SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # an HF folder or a .gguf file; None serves the default model
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    runner_type: str = "generate"
+    # Callables (output_token_ids, logits) -> logits applied per request (runner V1 only).
+    logits_processors: list[Callable[..., torch.Tensor]] | None = None
+    enable_return_routed_experts: bool = False
+
+    def __post_init__(self) -> None:
+        # Imported here: the loader pulls in the model zoo, which config users may not need.
+        from pdserve.models import loader, registry
+
+        _check_choice("dtype", self.dtype, ("auto", *_DTYPES))
+        _check_choice("runner_type", self.runner_type, ("generate",))
+        self.source = loader.resolve_model_source(self.model)
+        self.hf_config = loader.load_hf_config(self.source)
+        self.architectures: list[str] = list(getattr(self.hf_config, "architectures", None) or [])
+        info = registry.get_model_info(self.architectures)
+        if info.unsupported_reason is not None:
+            raise ValueError(
+                f"Architecture {info.architecture} is recognized, but pdserve cannot run it: "
+                f"{info.unsupported_reason}."
+            )
+        self.architecture = info.architecture
+        self.is_hybrid = info.is_hybrid
+        self.is_attention_free = info.is_attention_free
+        self.has_inner_state = info.has_inner_state
+        self.is_moe = registry.num_experts(self.hf_config) > 0
+
+        derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            self.max_model_len = derived
+        _check_positive("max_model_len", self.max_model_len)
+        if self.max_model_len > derived:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={derived}."
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        # bf16 on CPU only where the CPU computes it natively (AVX512-BF16 / AMX).
+        if torch.cuda.is_available() or _cpu_has_bf16():
+            return torch.bfloat16
+        return torch.float32
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        hf = self.hf_config
+        return getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        hf = self.hf_config
+        return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    kv_sharing_fast_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("block_size", self.block_size, (1, 2, 4, 8, 16, 32, 64, 128))
+        _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                "num_gpu_blocks_override must be at least 2 (one block is the null block), "
+                f"got {self.num_gpu_blocks_override}."
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    # None: on where the engine supports it.
+    async_scheduling: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        _check_choice("policy", self.policy, ("fcfs", "priority"))
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    prefill_context_parallel_size: int = 1
+    enable_dbo: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        _check_positive("prefill_context_parallel_size", self.prefill_context_parallel_size)
+        _check_choice(
+            "distributed_executor_backend", self.distributed_executor_backend, (None, "uni", "mp", "ray")
+        )
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer_config: dict[str, Any] | None = None
+    speculative_config: dict[str, Any] | None = None
+    ec_transfer_config: dict[str, Any] | None = None
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._resolve_scheduler_limits()
+        self._check_not_yet_implemented()
+        if self.use_v2_model_runner:
+            self._validate_v2_model_runner()
+        else:
+            self._validate_v1_model_runner()
+
+    @classmethod
+    def from_engine_args(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from vLLM's flat engine-argument names (`LLM(...)`, the CLI)."""
+        parts: dict[type, dict[str, Any]] = {
+            ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}, ParallelConfig: {}
+        }
+        top: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            owner = _ENGINE_ARG_OWNERS.get(name)
+            if owner is None:
+                raise ValueError(
+                    f"Unknown engine argument {name!r}; known: {', '.join(sorted(_ENGINE_ARG_OWNERS))}."
+                )
+            (parts[owner] if owner is not EngineConfig else top)[name] = value
+        return cls(
+            model_config=ModelConfig(**parts[ModelConfig]),
+            cache_config=CacheConfig(**parts[CacheConfig]),
+            scheduler_config=SchedulerConfig(**parts[SchedulerConfig]),
+            parallel_config=ParallelConfig(**parts[ParallelConfig]),
+            **top,
+        )
+
+    def _resolve_scheduler_limits(self) -> None:
+        sched, max_model_len = self.scheduler_config, self.model_config.max_model_len
+        if sched.max_num_batched_tokens is None:
+            sched.max_num_batched_tokens = (
+                2048 if sched.enable_chunked_prefill else max(2048, max_model_len)
+            )
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than "
+                f"max_model_len={max_model_len}: without chunked prefill a whole prompt must "
+                "fit in one step. Raise it or enable chunked prefill."
+            )
+        if sched.max_num_batched_tokens < sched.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={sched.max_num_batched_tokens} must be at least "
+                f"max_num_seqs={sched.max_num_seqs}."
+            )
+
+    def _check_not_yet_implemented(self) -> None:
+        """Knobs whose mechanism later work brings: a clear error rather than a silent no-op."""
+        par = self.parallel_config
+        missing = []
+        if par.tensor_parallel_size > 1:
+            missing.append(f"tensor_parallel_size={par.tensor_parallel_size}")
+        if par.pipeline_parallel_size > 1:
+            missing.append(f"pipeline_parallel_size={par.pipeline_parallel_size}")
+        if par.distributed_executor_backend != "uni":
+            missing.append(f"distributed_executor_backend={par.distributed_executor_backend!r}")
+        if self.scheduler_config.async_scheduling:
+            missing.append("async_scheduling=True")
+        if self.kv_transfer_config is not None:
+            missing.append("kv_transfer_config")
+        if missing:
+            raise ValueError(
+                "pdserve does not implement yet: " + ", ".join(missing)
+                + " (only the in-process executor with one rank and synchronous scheduling exist)."
+            )
+
+    # ---- runner selection -------------------------------------------------------------------
+
+    @staticmethod
+    def _is_default_v2_model_runner_model(config: Any) -> bool:
+        """Whether Model Runner V2 is this model's default (takes any object with model_config)."""
+        model_config = getattr(config, "model_config", None)
+        if model_config is None:
+            return False
+        if getattr(model_config, "runner_type", None) != "generate":
+            return False
+        if getattr(model_config, "is_hybrid", False):
+            return False
+        if getattr(model_config, "is_attention_free", False):
+            return False
+        architectures = getattr(model_config, "architectures", None) or []
+        whitelisted = any(a in DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES for a in architectures)
+        return whitelisted or not model_config.is_moe
+
+    def _v2_kernels_available(self) -> bool:
+        if self.device == "cpu":
+            return True  # the torch reference of every V2 kernel runs on CPU
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def _get_v2_model_runner_unsupported_features(self) -> list[str]:
+        mc, par = self.model_config, self.parallel_config
+        features = []
+        if getattr(mc, "has_inner_state", False):
+            features.append("hybrid/mamba models")
+        if par.prefill_context_parallel_size > 1:
+            features.append("prefill context parallelism")
+        method = (self.speculative_config or {}).get("method")
+        if self.speculative_config is not None and method not in V2_SPECULATIVE_METHODS:
+            features.append(f"speculative method '{method}'")
+        if par.enable_dbo:
+            features.append("dual batch overlap")
+        if mc.enable_return_routed_experts:
+            features.append("routed experts capture")
+        if mc.logits_processors:
+            features.append("custom logits processors")
+        if self.cache_config.kv_sharing_fast_prefill:
+            features.append("KV sharing fast prefill")
+        if self.ec_transfer_config is not None:
+            features.append("EC transfer")
+        return features
+
+    @cached_property
+    def use_v2_model_runner(self) -> bool:
+        explicit = envs.use_v2_model_runner()
+        if explicit is not None:
+            return explicit
+        if not self._is_default_v2_model_runner_model(self):
+            return False
+        reasons = []
+        if not self._v2_kernels_available():
+            reasons.append(f"its kernels on device {self.device!r} (Triton is not installed)")
+        reasons.extend(self._get_v2_model_runner_unsupported_features())
+        if reasons:
+            logger.warning(
+                "Model Runner V2 does not yet support %s; using the V1 model runner instead.",
+                ", ".join(reasons),
+            )
+            return False
+        return True
+
+    def _validate_v2_model_runner(self) -> None:
+        if not self._v2_kernels_available():
+            raise ValueError("Model Runner V2 requires Triton on device 'cuda'.")
+        features = self._get_v2_model_runner_unsupported_features()
+        if features:
+            raise ValueError("Model Runner V2 does not yet support: " + ", ".join(features))
+        self._validate_engine_features()
+
+    def _validate_v1_model_runner(self) -> None:
+        # Runner V1 implements custom logits processors; everything else V2 lacks, V1 lacks too.
+        features = [
+            f for f in self._get_v2_model_runner_unsupported_features() if f != "custom logits processors"
+        ]
+        if features:
+            raise ValueError("Model Runner V1 does not support: " + ", ".join(features))
+        self._validate_engine_features()
+
+    def _validate_engine_features(self) -> None:
+        if self.speculative_config is not None:
+            raise ValueError(
+                "speculative_config: pdserve does not implement speculative decoding "
+                f"(method {self.speculative_config.get('method')!r})."
+            )
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        pp = self.parallel_config.pipeline_parallel_size
+        if self.scheduler_config.async_scheduling:
+            if self.use_v2_model_runner:
+                return pp + 1
+            if pp == 1:
+                return 2
+        return pp
+
+
+_ENGINE_ARG_OWNERS: dict[str, type] = {
+    **{n: ModelConfig for n in ModelConfig.__dataclass_fields__},
+    **{n: CacheConfig for n in CacheConfig.__dataclass_fields__},
+    **{n: SchedulerConfig for n in SchedulerConfig.__dataclass_fields__},
+    **{n: ParallelConfig for n in ParallelConfig.__dataclass_fields__},
+    "kv_transfer_config": EngineConfig,
+    "speculative_config": EngineConfig,
+    "ec_transfer_config": EngineConfig,
+    "device": EngineConfig,
+}

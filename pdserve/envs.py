@@ -1,0 +1,47 @@
+"""Every PDSERVE_* environment variable, read in one place.
+
+Values are read on access (not at import) so tests can set them with monkeypatch.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _tri_state(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be unset, '0' or '1', got {value!r}.")
+    return value == "1"
+
+
+def use_v2_model_runner() -> bool | None:
+    """PDSERVE_USE_V2_MODEL_RUNNER: unset = decide by model, '0' = runner V1, '1' = runner V2."""
+    return _tri_state("PDSERVE_USE_V2_MODEL_RUNNER")
+
+
+def kernel_backend() -> str | None:
+    """PDSERVE_KERNEL_BACKEND: 'triton' or 'torch' forces a kernel backend; unset = by device."""
+    value = os.environ.get("PDSERVE_KERNEL_BACKEND") or None
+    if value not in (None, "triton", "torch"):
+        raise ValueError(f"PDSERVE_KERNEL_BACKEND must be 'triton' or 'torch', got {value!r}.")
+    return value
+
+
+def cpu_kv_cache_space_gib() -> float:
+    """PDSERVE_CPU_KVCACHE_SPACE: GiB of memory for the KV cache on CPU (default 4)."""
+    value = os.environ.get("PDSERVE_CPU_KVCACHE_SPACE", "4")
+    try:
+        space = float(value)
+    except ValueError:
+        raise ValueError(f"PDSERVE_CPU_KVCACHE_SPACE must be a number of GiB, got {value!r}.") from None
+    if space <= 0:
+        raise ValueError(f"PDSERVE_CPU_KVCACHE_SPACE must be positive, got {value!r}.")
+    return space
+
+
+def default_model() -> str | None:
+    """PDSERVE_DEFAULT_MODEL: model served when none is named (default: bundled SmolLM2)."""
+    return os.environ.get("PDSERVE_DEFAULT_MODEL") or None
