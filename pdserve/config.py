@@ -96,6 +96,18 @@ class ModelConfig:
             return torch.bfloat16
         return torch.float32
 
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids from generation_config (or the model config); the first is the primary one."""
+        from pdserve.models import loader
+
+        eos = loader.load_generation_config(self.source).get("eos_token_id")
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size

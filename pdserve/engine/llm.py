@@ -1,0 +1,160 @@
+"""LLM: offline generation with vLLM's interface, running the engine in-process."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from pdserve.config import EngineConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.models import loader
+from pdserve.outputs import RequestOutput
+from pdserve.request import Request
+from pdserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]  # a string, or {"prompt_token_ids": [...]}
+ChatMessages = list[dict[str, str]]
+
+
+class LLM:
+    """`LLM(model=None)` serves the default model; keyword arguments use vLLM's engine names."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.config = EngineConfig.from_engine_args(model=model, **engine_args)
+        mc = self.config.model_config
+        self.tokenizer = loader.load_tokenizer(mc.source)
+        self.eos_token_ids = mc.eos_token_ids
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core: EngineCore | None = EngineCore(self.config)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts."
+            )
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                request_ids.append(self._add_request(prompt, params))
+            return self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            self._abort(request_ids)
+            raise
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("The model's tokenizer has no chat template; use generate().")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        # transformers 5 returns a BatchEncoding here; older versions a plain list.
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise ValueError("A prompt is a string or a dict with 'prompt_token_ids'.")
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
+        assert self.engine_core is not None, "LLM is shut down"
+        text, token_ids = self._tokenize(prompt)
+        vocab_size = self.config.model_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in token_ids):
+            raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+        request_id = str(next(self._request_counter))
+        children = self.output_processor.add_request(request_id, text, token_ids, params)
+        try:
+            for child_id, child_params in children:
+                self.engine_core.add_request(self._make_request(child_id, token_ids, child_params))
+        except BaseException:
+            self._abort([request_id])
+            raise
+        return request_id
+
+    def _make_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Request:
+        # Extra EOS ids of the generation config stop generation like stop_token_ids do.
+        primary_eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        extra = [t for t in self.eos_token_ids[1:] if not params.ignore_eos]
+        if extra:
+            import msgspec
+
+            params = msgspec.structs.replace(
+                params, stop_token_ids=list(dict.fromkeys((params.stop_token_ids or []) + extra))
+            )
+        return Request(request_id, token_ids, params, primary_eos)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        assert self.engine_core is not None
+        finished: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while pending:
+                outputs = self.engine_core.step()
+                results, to_abort = self.output_processor.process_outputs(outputs)
+                if to_abort:
+                    self.engine_core.abort_requests(to_abort)
+                for result in results:
+                    if result.finished and result.request_id in pending:
+                        pending.discard(result.request_id)
+                        finished[result.request_id] = result
+                        bar.update(1)
+                if not outputs and not self.engine_core.has_unfinished_requests() and pending:
+                    raise RuntimeError(f"Engine stopped with {len(pending)} unfinished requests.")
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        if self.engine_core is None:
+            return
+        engine_ids = [e for r in request_ids for e in self.output_processor.abort_request(r)]
+        self.engine_core.abort_requests(engine_ids)
+
+    def shutdown(self) -> None:
+        if self.engine_core is not None:
+            self.engine_core.shutdown()
+            self.engine_core = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,162 @@
+"""Turns EngineCoreOutputs into RequestOutputs: detokenization, stop strings, logprobs, n > 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestOutput
+from pdserve.request import FinishReason
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _SequenceState:
+    """One generated sequence (an engine request); `index` is its place among the n."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.output_text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_SequenceState]
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+    def make_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion() for s in self.sequences],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params,
+        )
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Each of the n sequences is one engine request; seeded ones get distinct seeds."""
+    import msgspec
+
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return msgspec.structs.replace(params, n=1, seed=seed)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        # engine request id -> (parent request id, sequence index)
+        self.child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[tuple[str, SamplingParams]]:
+        """Register a request; returns the (engine request id, params) of its n sequences."""
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        sequences, children = [], []
+        for i in range(params.n):
+            seq_params = child_params(params, i)
+            sequences.append(
+                _SequenceState(
+                    index=i,
+                    params=seq_params,
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params),
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                )
+            )
+            child_id = child_request_id(request_id, i, params.n)
+            self.child_to_parent[child_id] = (request_id, i)
+            children.append((child_id, seq_params))
+        self.requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, sequences)
+        return children
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated RequestOutputs and the engine ids to abort (stop strings hit)."""
+        updated: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            parent = self.child_to_parent.get(out.request_id)
+            if parent is None:
+                continue  # aborted by us earlier; late tokens are dropped
+            state = self.requests[parent[0]]
+            seq = state.sequences[parent[1]]
+            seq.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None and seq.logprobs is not None:
+                self._append_logprobs(seq, out.new_logprobs)
+            stop_str = seq.detokenizer.update(out.new_token_ids)
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
+            if stop_str is not None:
+                seq.finish_reason, seq.stop_reason = str(FinishReason.STOP), stop_str
+                if out.finish_reason is None:
+                    to_abort.append(out.request_id)
+            elif out.finish_reason is not None:
+                seq.finish_reason = str(FinishReason(out.finish_reason))
+                seq.stop_reason = out.stop_reason
+            if seq.finish_reason is not None:
+                del self.child_to_parent[out.request_id]
+            updated[state.request_id] = state
+        results = []
+        for state in updated.values():
+            results.append(state.make_output())
+            if state.finished:
+                del self.requests[state.request_id]
+        return results, to_abort
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns the engine ids of its unfinished sequences."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        ids = [child_request_id(request_id, s.index, len(state.sequences)) for s in state.sequences]
+        return [i for i in ids if self.child_to_parent.pop(i, None) is not None]
+
+    def _append_logprobs(self, seq: _SequenceState, lp: LogprobsLists) -> None:
+        assert seq.logprobs is not None and seq.cumulative_logprob is not None
+        for ids, values, rank in zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks):
+            entry = {
+                tid: Logprob(value, rank if j == 0 else j, self.tokenizer.decode([tid]))
+                for j, (tid, value) in enumerate(zip(ids, values))
+            }
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += values[0]

@@ -1,0 +1,77 @@
+"""The Executor contract: how the engine drives its workers, whatever their placement."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from pdserve.config import EngineConfig
+from pdserve.outputs import ModelRunnerOutput
+from pdserve.scheduler.output import SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.is_failed = False
+        self._failure_callback: Callable[[], None] | None = None
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type["Executor"]:
+        backend = config.parallel_config.distributed_executor_backend
+        if backend == "uni":
+            from pdserve.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor
+        raise ValueError(f"distributed_executor_backend={backend!r} is not implemented yet.")
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Call `method` on every worker; a list of results (or one, with unique_reply_rank)."""
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        return self.collective_rpc(
+            "execute_model", args=(scheduler_output,), non_block=non_block,
+            unique_reply_rank=self.output_rank,
+        )
+
+    def determine_num_blocks(self) -> int:
+        # Every rank must hold the same block ids, so the smallest budget wins.
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", args=(num_blocks,))
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health")
+
+    @property
+    def output_rank(self) -> int:
+        """The first TP rank of the last pipeline stage returns the sampled tokens."""
+        par = self.config.parallel_config
+        return par.world_size - par.tensor_parallel_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.max_concurrent_batches
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        if self.is_failed:
+            callback()
+        else:
+            self._failure_callback = callback
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the workers; safe to call more than once."""

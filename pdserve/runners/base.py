@@ -1,0 +1,126 @@
+"""What both model runners share: the model, the KV cache, the forward pass and sampling."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.models import loader
+from pdserve.outputs import LogprobsLists, ModelRunnerOutput
+from pdserve.runners.inputs import StepInputs
+from pdserve.runners.sampler import Sampler, SamplingMetadata
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request that samples this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    logits_processors: list[Callable[..., torch.Tensor]] | None = None
+
+
+class ModelRunnerBase:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.device = device
+        self.dtype = self.model_config.torch_dtype
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = self.model_config.max_model_len
+        self.max_num_reqs = config.scheduler_config.max_num_seqs
+        self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
+        self.eos_token_id = next(iter(self.model_config.eos_token_ids), None)
+        self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def load_model(self) -> None:
+        mc = self.model_config
+        self.model = loader.load_model(mc.hf_config, mc.source, self.dtype, self.device)
+
+    def get_kv_cache_block_bytes(self) -> int:
+        mc = self.model_config
+        elems = mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim
+        return elems * torch.empty((), dtype=self.dtype).element_size()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One block-major tensor: block b of every layer is contiguous (cheap to transfer)."""
+        mc = self.model_config
+        self.kv_cache = torch.zeros(
+            num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = [self.kv_cache[:, i] for i in range(mc.num_layers)]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+        )
+
+    @torch.inference_mode()
+    def forward_and_sample(
+        self, inputs: StepInputs, rows: list[SamplingRow]
+    ) -> tuple[list[int], LogprobsLists | None]:
+        assert self.model is not None, "load_model() first"
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        if not rows:
+            return [], None
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        md = SamplingMetadata.from_params(
+            [r.params for r in rows],
+            [r.output_token_ids for r in rows],
+            [r.prompt_token_ids for r in rows],
+            [self.eos_token_id] * len(rows),
+            self.device,
+            logits_processors=[r.logits_processors for r in rows]
+            if any(r.logits_processors for r in rows) else None,
+        )
+        out = self.sampler(logits, md)
+        return out.sampled_token_ids.tolist(), out.logprobs
+
+    @staticmethod
+    def make_output(
+        req_ids: list[str],
+        sampled: dict[str, int],
+        logprobs: LogprobsLists | None,
+        sampling_req_ids: list[str],
+    ) -> ModelRunnerOutput:
+        """Rows in batch order; requests still in a chunked prefill get no token."""
+        if logprobs is not None:
+            logprobs = _scatter_logprobs(logprobs, sampling_req_ids, req_ids)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
+            logprobs=logprobs,
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+
+def _scatter_logprobs(
+    lp: LogprobsLists, sampling_req_ids: list[str], req_ids: list[str]
+) -> LogprobsLists:
+    row_of = {r: i for i, r in enumerate(sampling_req_ids)}
+    ids, vals, ranks = [], [], []
+    for r in req_ids:
+        i = row_of.get(r)
+        ids.append(lp.logprob_token_ids[i] if i is not None else [])
+        vals.append(lp.logprobs[i] if i is not None else [])
+        ranks.append(lp.sampled_token_ranks[i] if i is not None else -1)
+    return LogprobsLists(ids, vals, ranks)

@@ -1,0 +1,104 @@
+"""Model Runner V1: a persistent batch with per-request cached state, prepared on the host."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from pdserve.runners.base import ModelRunnerBase, SamplingRow
+from pdserve.runners.inputs import build_step_inputs
+from pdserve.runners.v1.input_batch import CachedRequestState, InputBatch
+from pdserve.scheduler.output import SchedulerOutput
+
+
+class ModelRunnerV1(ModelRunnerBase):
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)
+        self.logits_processors = self.model_config.logits_processors
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        # Unscheduled requests (preempted, or skipped this step) leave the batch but keep state.
+        for req_id in [r for r in batch.req_ids if r not in so.num_scheduled_tokens]:
+            batch.remove_request(req_id)
+
+        for new in so.scheduled_new_reqs:
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            if resumed:
+                state.block_ids = list(new_block_ids or [])
+            elif new_block_ids:
+                state.block_ids.extend(new_block_ids)
+            all_token_ids = cached.all_token_ids.get(req_id)
+            if all_token_ids is not None:
+                state.output_token_ids = all_token_ids[len(state.prompt_token_ids) :]
+
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                batch.add_request(state)
+                continue
+            batch.num_computed_tokens[row] = state.num_computed_tokens
+            if new_block_ids:
+                batch.append_block_ids(row, new_block_ids)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self.input_batch
+        n = batch.num_reqs
+        req_ids = list(batch.req_ids)
+        num_scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        req_indices = np.repeat(np.arange(n), num_scheduled)
+        cu_num_scheduled = np.cumsum(num_scheduled)
+        offsets = np.arange(cu_num_scheduled[-1]) - np.repeat(cu_num_scheduled - num_scheduled, num_scheduled)
+        positions = batch.num_computed_tokens[req_indices] + offsets
+        input_ids = batch.token_ids[req_indices, positions]
+        seq_lens = batch.num_computed_tokens[:n] + num_scheduled
+        # A request samples once its scheduled tokens reach the end of everything it knows.
+        sampling_rows = np.nonzero(seq_lens >= batch.num_tokens[:n])[0]
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device)
+
+        inputs = build_step_inputs(
+            to_dev(input_ids), to_dev(positions), to_dev(req_indices), to_dev(num_scheduled),
+            to_dev(seq_lens), to_dev(batch.block_table[:n]), self.block_size, to_dev(sampling_rows),
+        )
+        sampling_req_ids = [req_ids[i] for i in sampling_rows]
+        rows = [self._sampling_row(self.requests[r]) for r in sampling_req_ids]
+        sampled, logprobs = self.forward_and_sample(inputs, rows)
+
+        for row, req_id, token in zip(sampling_rows.tolist(), sampling_req_ids, sampled):
+            self.requests[req_id].output_token_ids.append(token)
+            batch.append_token(row, token)
+        return self.make_output(req_ids, dict(zip(sampling_req_ids, sampled)), logprobs, sampling_req_ids)
+
+    def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
+        return SamplingRow(
+            params=state.sampling_params,
+            prompt_token_ids=state.prompt_token_ids,
+            output_token_ids=state.output_token_ids,
+            logits_processors=self.logits_processors,
+        )

@@ -1,0 +1,135 @@
+"""Per-request block tables over the block pool, with prefix caching."""
+
+from __future__ import annotations
+
+import logging
+
+from pdserve.request import Request
+from pdserve.scheduler.block_pool import BlockPool, KVCacheBlock
+from pdserve.scheduler.kv_cache_utils import request_block_hasher
+
+logger = logging.getLogger(__name__)
+
+
+class KVCacheManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_hasher = request_block_hasher(block_size)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the prefix cache (or were
+        # skipped as duplicates), so that caching resumes where it stopped.
+        self.num_cached_block: dict[str, int] = {}
+        # Cumulative prefix-cache statistics, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks at the start of the request, and its token count."""
+        if not self.enable_caching:
+            return [], 0
+        self.block_hasher(request)
+        # The last token is always recomputed, for its logits; that can cost a whole block.
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        computed_blocks = []
+        for block_hash in request.block_hashes[:max_num_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            computed_blocks.append(block)
+        num_computed_tokens = len(computed_blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_computed_tokens
+        return computed_blocks, num_computed_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        reserved_blocks: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Give the request blocks for `num_new_tokens` more tokens; None if the pool is short.
+
+        `new_computed_blocks` (prefix-cache hits of `num_new_computed_tokens` tokens) and
+        `num_external_computed_tokens` (tokens a KV connector loads) only come with a request
+        that holds no blocks yet. Returns the newly allocated blocks (not the hits).
+        """
+        assert num_new_tokens > 0 or num_external_computed_tokens > 0
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id)
+        num_held_blocks = len(req_blocks) if req_blocks is not None else 0
+        num_computed_tokens = (
+            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        )
+        num_tokens_need_slot = min(
+            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        num_required_blocks = -(-num_tokens_need_slot // self.block_size)
+        num_blocks_to_allocate = num_required_blocks - num_held_blocks
+        num_evictable_hits = 0
+        if new_computed_blocks:
+            assert self.enable_caching and num_held_blocks == 0
+            num_blocks_to_allocate -= len(new_computed_blocks)
+            # Hits on free blocks leave the free queue when touched: they count against it too.
+            num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_free_blocks = self.block_pool.get_num_free_blocks() - reserved_blocks
+        if num_blocks_to_allocate + num_evictable_hits > num_free_blocks:
+            return None
+        if req_blocks is None:
+            # Created only now, so that a failed admission leaves no entry behind.
+            req_blocks = self.req_to_blocks[req_id] = []
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            self.num_cached_block[req_id] = len(new_computed_blocks)
+        new_blocks = (
+            self.block_pool.get_new_blocks(num_blocks_to_allocate) if num_blocks_to_allocate > 0 else []
+        )
+        req_blocks.extend(new_blocks)
+        if self.enable_caching and not delay_cache_blocks:
+            # Blocks are cached once scheduled, before the forward fills them: a request that
+            # hits them in the same step reads them after this step's KV writes.
+            self.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Index the request's blocks that the first `num_computed_tokens` tokens fill."""
+        num_full_blocks = num_computed_tokens // self.block_size
+        req_id = request.request_id
+        num_cached_blocks = self.num_cached_block.get(req_id, 0)
+        if num_full_blocks <= num_cached_blocks:
+            return
+        self.block_hasher(request)
+        self.block_pool.cache_full_blocks(
+            request.block_hashes, self.req_to_blocks[req_id], num_cached_blocks, num_full_blocks
+        )
+        self.num_cached_block[req_id] = num_full_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its last blocks are evicted first."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

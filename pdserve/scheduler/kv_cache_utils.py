@@ -1,0 +1,39 @@
+"""Chained hashes of full KV cache blocks: the keys of the prefix cache."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from pdserve.request import Request
+
+_encode = msgspec.msgpack.Encoder().encode
+
+# Parent of the first block. A constant rather than vLLM's per-process random value, so that
+# every process (and every instance) computes the same hash for the same tokens.
+NONE_HASH: bytes = hashlib.sha256(b"pdserve.prefix_cache.none_hash").digest()
+
+
+def hash_block_tokens(parent_block_hash: bytes | None, block_token_ids: Sequence[int]) -> bytes:
+    """sha256 of (parent hash, tokens): equal hashes mean equal whole prefixes, not just blocks."""
+    parent = NONE_HASH if parent_block_hash is None else parent_block_hash
+    return hashlib.sha256(_encode((parent, block_token_ids))).digest()
+
+
+def request_block_hasher(block_size: int) -> Callable[[Request], None]:
+    """A function that extends `request.block_hashes` with the blocks filled since its last call."""
+
+    def hash_new_full_blocks(request: Request) -> None:
+        block_hashes = request.block_hashes
+        start = len(block_hashes) * block_size
+        token_ids = request.all_token_ids
+        if start + block_size > len(token_ids):
+            return
+        parent = block_hashes[-1] if block_hashes else None
+        for end in range(start + block_size, len(token_ids) + 1, block_size):
+            parent = hash_block_tokens(parent, token_ids[end - block_size : end])
+            block_hashes.append(parent)
+
+    return hash_new_full_blocks
