@@ -43,7 +43,7 @@ class ModelRunnerBase:
         self.max_model_len = self.model_config.max_model_len
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
-        self.eos_token_id = next(iter(self.model_config.eos_token_ids), None)
+        self.eos_token_ids = self.model_config.eos_token_ids
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None
@@ -84,13 +84,22 @@ class ModelRunnerBase:
             [r.params for r in rows],
             [r.output_token_ids for r in rows],
             [r.prompt_token_ids for r in rows],
-            [self.eos_token_id] * len(rows),
+            [self.eos_token_ids] * len(rows),
             self.device,
             logits_processors=[r.logits_processors for r in rows]
             if any(r.logits_processors for r in rows) else None,
         )
         out = self.sampler(logits, md)
-        return out.sampled_token_ids.tolist(), out.logprobs
+        logprobs = out.logprobs
+        if logprobs is not None:
+            # The sampler returns the batch maximum of top-k columns; each request asked for its own.
+            widths = [(r.params.logprobs or 0) + 1 for r in rows]
+            logprobs = LogprobsLists(
+                [ids[:w] for ids, w in zip(logprobs.logprob_token_ids, widths)],
+                [vals[:w] for vals, w in zip(logprobs.logprobs, widths)],
+                logprobs.sampled_token_ranks,
+            )
+        return out.sampled_token_ids.tolist(), logprobs
 
     @staticmethod
     def make_output(

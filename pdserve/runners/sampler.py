@@ -9,10 +9,12 @@ Logprobs are raw: log_softmax of the model's logits before any processing.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -37,7 +39,8 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [B] float32, 0 = off
     seeds: list[int | None]  # per row; None draws from the default generator
     output_positions: list[int]  # per row: tokens the request generated before this one
-    prompt_token_ids: list[list[int]] | None  # None when no row has penalties
+    # The penalty tensors and prompt_token_ids are all set (some row has a penalty) or all None.
+    prompt_token_ids: list[list[int]] | None
     output_token_ids: list[list[int]]  # per row, generated so far
     presence_penalties: torch.Tensor | None  # [B] float32, 0 = off
     frequency_penalties: torch.Tensor | None  # [B] float32, 0 = off
@@ -53,10 +56,11 @@ class SamplingMetadata:
         params: list[SamplingParams],
         output_token_ids: list[list[int]],
         prompt_token_ids: list[list[int]],
-        eos_token_ids: list[int | None],
+        eos_token_ids: list[int | list[int] | None],
         device: torch.device | str,
         logits_processors: list[list[LogitsProcessor]] | None = None,
     ) -> SamplingMetadata:
+        """`eos_token_ids` per row: the id (or ids) min_tokens blocks besides stop_token_ids."""
         assert len(params) == len(output_token_ids) == len(prompt_token_ids) == len(eos_token_ids)
         greedy = [p.greedy for p in params]
         # Truncation knobs are irrelevant for greedy rows: leaving them off there lets an
@@ -72,13 +76,18 @@ class SamplingMetadata:
             if len(out) < p.min_tokens:
                 # As vLLM: EOS is blocked even with ignore_eos (it could not stop the row anyway).
                 blocked = list(p.stop_token_ids or ())
-                if eos is not None:
+                if isinstance(eos, int):
                     blocked.append(eos)
+                elif eos is not None:  # a model with several EOS ids
+                    blocked.extend(eos)
                 if blocked:
                     min_tokens_blocked[i] = blocked
 
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def penalty(values: list[float]) -> torch.Tensor | None:
+            return f32(values) if has_penalties else None
 
         if logits_processors is not None and not any(logits_processors):
             logits_processors = None
@@ -92,11 +101,9 @@ class SamplingMetadata:
             output_positions=[len(out) for out in output_token_ids],
             prompt_token_ids=prompt_token_ids if has_penalties else None,
             output_token_ids=output_token_ids,
-            presence_penalties=f32([p.presence_penalty for p in params]) if has_penalties else None,
-            frequency_penalties=f32([p.frequency_penalty for p in params]) if has_penalties else None,
-            repetition_penalties=(
-                f32([p.repetition_penalty for p in params]) if has_penalties else None
-            ),
+            presence_penalties=penalty([p.presence_penalty for p in params]),
+            frequency_penalties=penalty([p.frequency_penalty for p in params]),
+            repetition_penalties=penalty([p.repetition_penalty for p in params]),
             min_tokens_blocked=min_tokens_blocked,
             max_num_logprobs=max(logprobs) if logprobs else None,
             logits_processors=logits_processors,
@@ -135,12 +142,14 @@ class Sampler(nn.Module):
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata, owned: bool) -> torch.Tensor:
     """Logits processors, min_tokens mask, penalties; never mutates a tensor it does not own."""
-    if md.logits_processors is None and not md.min_tokens_blocked and (
-        md.repetition_penalties is None
+    if (
+        md.logits_processors is None
+        and not md.min_tokens_blocked
+        and md.repetition_penalties is None
     ):
         return logits
-    if not owned:
-        logits = logits.clone()
+    # Owned or not, the steps below want a contiguous tensor (penalties index it flat).
+    logits = logits.contiguous() if owned else logits.clone(memory_format=torch.contiguous_format)
     if md.logits_processors is not None:
         for i, fns in enumerate(md.logits_processors):
             for fn in fns:
@@ -154,44 +163,41 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata, owned: bool) -> t
     return logits
 
 
-def _pad_token_ids(
-    token_ids: list[list[int]], vocab_size: int, device: torch.device
+def _flat_token_index(
+    token_ids: list[list[int]], rows: list[int], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
-    """[R, max_len] int64, padded with `vocab_size` (a spare column scattered into, then cut)."""
-    width = max((len(t) for t in token_ids), default=0)
-    padded = [t + [vocab_size] * (width - len(t)) for t in token_ids]
-    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(token_ids), width)
+    """Indices into the flattened [B, V] logits of every token of `token_ids[r]`, r in rows."""
+    lists = [token_ids[r] for r in rows]
+    cols = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
+    lengths = torch.tensor([len(t) for t in lists])
+    base = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64) * vocab_size, lengths)
+    return (base + cols).to(device)
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
     """In place. Repetition divides positive / multiplies negative logits of tokens seen in the
-    prompt or output; frequency subtracts count * f and presence p over output tokens."""
+    prompt or output; frequency subtracts count * f and presence p over output tokens. Only the
+    seen tokens are touched: gathers and scatters on flat indices, no [B, V] masks."""
     assert md.prompt_token_ids is not None and md.presence_penalties is not None
     assert md.frequency_penalties is not None and md.repetition_penalties is not None
+    assert logits.is_contiguous()
     rep, freq, pres = md.repetition_penalties, md.frequency_penalties, md.presence_penalties
-    active = ((rep != 1.0) | (freq != 0.0) | (pres != 0.0)).nonzero().flatten()
-    rows = active.tolist()
+    rows = ((rep != 1.0) | (freq != 0.0) | (pres != 0.0)).nonzero().flatten().tolist()
     if not rows:
         return
-    num_rows, vocab_size = len(rows), logits.shape[1]
-    sub = logits if num_rows == logits.shape[0] else logits[active]
-    rep, freq, pres = rep[active, None], freq[active, None], pres[active, None]
-
-    out_ids = _pad_token_ids([md.output_token_ids[i] for i in rows], vocab_size, logits.device)
-    counts = torch.zeros(num_rows, vocab_size + 1, device=logits.device)
-    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
-    counts = counts[:, :vocab_size]
-    in_output = counts > 0
-    prompt_ids = _pad_token_ids([md.prompt_token_ids[i] for i in rows], vocab_size, logits.device)
-    seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
-    seen.scatter_(1, prompt_ids, True)
-    seen = seen[:, :vocab_size] | in_output
-
-    factor = torch.where(seen, rep, 1.0)
-    sub.copy_(torch.where(sub > 0, sub / factor, sub * factor))
-    sub.sub_(freq * counts).sub_(pres * in_output)
-    if sub is not logits:
-        logits[active] = sub
+    vocab_size = logits.shape[1]
+    flat = logits.view(-1)
+    out_idx = _flat_token_index(md.output_token_ids, rows, vocab_size, logits.device)
+    seen_idx = torch.cat(
+        [_flat_token_index(md.prompt_token_ids, rows, vocab_size, logits.device), out_idx]
+    )
+    # Repeated indices write the same value, so duplicates are harmless here.
+    seen = flat[seen_idx]
+    factor = rep[seen_idx // vocab_size]
+    flat[seen_idx] = torch.where(seen > 0, seen / factor, seen * factor)
+    flat.index_add_(0, out_idx, -freq[out_idx // vocab_size])
+    out_unique = out_idx.unique()
+    flat.index_add_(0, out_unique, -pres[out_unique // vocab_size])
 
 
 def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -204,7 +210,7 @@ def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         threshold = logits.amax(dim=-1, keepdim=True) + md.min_p.log()[:, None]
         logits.masked_fill_(logits < threshold, float("-inf"))
     if md.top_k is not None or md.top_p is not None:
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        apply_top_k_top_p(logits, md.top_k, md.top_p)
     probs = logits.softmax(dim=-1)
     q = exponential_noise(probs, md)
     return probs.div_(q).argmax(dim=-1)
@@ -213,22 +219,32 @@ def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
-    """Masks tokens outside the top k (ties at the k-th logit stay) and outside the smallest set
-    whose cumulative probability reaches p (at least one token stays), with one sort."""
+    """In place: masks tokens below the k-th largest logit, then those outside the smallest set
+    whose cumulative probability reaches p (at least one token stays). One sort of the values
+    gives a cutoff logit per row; tokens tied with the cutoff stay."""
     vocab_size = logits.shape[1]
-    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    values = _sorted_values(logits)  # ascending
+    cutoff = values[:, :1]
     if top_k is not None:
         k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
-        kth = logits_sort.gather(1, (vocab_size - k)[:, None])
-        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+        cutoff = values.gather(1, (vocab_size - k)[:, None])
+        if top_p is not None:  # top-p sees the top-k distribution
+            values.masked_fill_(values < cutoff, float("-inf"))
     if top_p is not None:
         # Ascending cumulative sum: a token goes when it and everything below it sum to <= 1-p,
-        # i.e. when the tokens above it already reach p.
-        cum = logits_sort.softmax(dim=-1).cumsum_(dim=-1)
-        drop = cum <= 1.0 - top_p[:, None]
-        drop[:, -1] = False
-        logits_sort.masked_fill_(drop, float("-inf"))
-    return logits_sort.scatter(1, logits_idx, logits_sort)
+        # i.e. when the tokens above it already reach p. The dropped tokens form a prefix.
+        cum = values.softmax(dim=-1).cumsum_(dim=-1)
+        num_dropped = torch.searchsorted(cum, 1.0 - top_p[:, None], right=True)
+        cutoff = values.gather(1, num_dropped.clamp_(max=vocab_size - 1))
+    return logits.masked_fill_(logits < cutoff, float("-inf"))
+
+
+def _sorted_values(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise ascending sort of the values only. On CPU numpy's SIMD sort is ~8x faster than
+    torch.sort, which also computes the indices."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(np.sort(logits.detach().numpy(), axis=-1))
+    return logits.sort(dim=-1).values
 
 
 def _seed_hash(seed: int, position: int) -> int:
@@ -244,18 +260,18 @@ def _seed_hash(seed: int, position: int) -> int:
 
 
 def exponential_noise(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Exp(1) noise [B, V]: one batched draw for unseeded rows; seeded rows draw exactly V
-    values from a generator keyed by (seed, output position)."""
-    q = torch.empty_like(probs).exponential_()
+    """Exp(1) noise [B, V] as -log(U): one batched draw for unseeded rows; a seeded row draws
+    exactly V uniforms from a generator keyed by (seed, output position). (-log U of a float32
+    uniform is ~4x cheaper than torch's CPU exponential_; U = 0 gives q = inf, a zero ratio.)"""
+    u = torch.empty_like(probs).uniform_()
     vocab_size = probs.shape[1]
     for i, seed in enumerate(md.seeds):
         if seed is None:
             continue
         gen = torch.Generator(device=probs.device)
         gen.manual_seed(_seed_hash(seed, md.output_positions[i]))
-        q[i] = torch.empty(vocab_size, device=probs.device).exponential_(generator=gen)
-    # An exact 0 would turn a masked token's 0 / 0 into NaN, which argmax picks.
-    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+        u[i] = torch.empty(vocab_size, device=probs.device).uniform_(generator=gen)
+    return u.log_().neg_()
 
 
 def gather_logprobs(
@@ -264,7 +280,7 @@ def gather_logprobs(
     """Column 0 the sampled token, then the top `num_logprobs`. The rank is vLLM's: the number
     of tokens whose logprob is >= the sampled one's (1 for the most likely token)."""
     sampled_logprobs = raw_logprobs.gather(1, sampled[:, None])
-    ranks = (raw_logprobs >= sampled_logprobs).sum(dim=-1)
+    ranks = (raw_logprobs >= sampled_logprobs).sum(dim=-1, dtype=torch.int32)
     k = min(num_logprobs, raw_logprobs.shape[1])
     top_values, top_ids = raw_logprobs.topk(k, dim=-1)
     ids = torch.cat([sampled[:, None], top_ids], dim=1)

@@ -1,0 +1,190 @@
+"""Runner selection (vLLM's truth table), V2 validation, and config errors that name the field."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve import envs
+from pdserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+
+G = "generate"
+# (architecture, runner_type, is_moe, is_quantized, extra, expected) from vLLM's tests/test_config.py
+TRUTH_TABLE = [
+    ("Qwen3ForCausalLM", G, False, False, {}, True),  # Qwen3-1.7B-Base
+    ("Qwen3ForCausalLM", G, False, False, {}, True),  # Qwen3-32B
+    ("LlamaForCausalLM", G, False, False, {}, True),
+    ("MistralForCausalLM", G, False, False, {}, True),
+    ("OPTForCausalLM", G, False, False, {}, True),
+    ("Gemma2ForCausalLM", G, False, False, {}, True),
+    ("DeepseekV2ForCausalLM", G, True, False, {}, True),  # Lite-Chat
+    ("DeepseekV2ForCausalLM", G, True, False, {}, True),  # Chat
+    ("Qwen2MoeForCausalLM", G, True, False, {}, True),
+    ("Qwen2MoeForCausalLM", G, True, False, {}, True),  # -Chat
+    ("GraniteMoeForCausalLM", G, True, False, {}, True),
+    ("MixtralForCausalLM", G, True, False, {}, False),
+    ("Qwen3ForCausalLM", G, False, True, {}, True),  # FP8: quantization is not consulted
+    ("Qwen3_5ForConditionalGeneration", G, False, False, {"is_hybrid": True}, False),
+    ("MambaForCausalLM", G, False, False, {"is_attention_free": True}, False),
+    ("Qwen3ForCausalLM", "pooling", False, False, {}, False),  # Qwen3-Embedding
+]
+
+
+@pytest.mark.parametrize("arch,runner_type,is_moe,is_quantized,extra,expected", TRUTH_TABLE)
+def test_is_default_v2_model_runner_model(arch, runner_type, is_moe, is_quantized, extra, expected):
+    mc = SimpleNamespace(
+        architectures=[arch], runner_type=runner_type, is_moe=is_moe, is_quantized=is_quantized, **extra
+    )
+    assert EngineConfig._is_default_v2_model_runner_model(SimpleNamespace(model_config=mc)) is expected
+
+
+def test_no_model_config_is_not_default_v2():
+    assert EngineConfig._is_default_v2_model_runner_model(SimpleNamespace(model_config=None)) is False
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), ("0", False), ("1", True)])
+def test_v2_env_tri_state(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("PDSERVE_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", value)
+    assert envs.use_v2_model_runner() is expected
+
+
+def test_v2_env_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "true")
+    with pytest.raises(ValueError, match="PDSERVE_USE_V2_MODEL_RUNNER"):
+        envs.use_v2_model_runner()
+
+
+def make_config(model: str, **kwargs) -> EngineConfig:
+    return EngineConfig.from_engine_args(model=model, **kwargs)
+
+
+def test_default_selection_dense_and_moe(monkeypatch, tiny_model):
+    monkeypatch.delenv("PDSERVE_USE_V2_MODEL_RUNNER", raising=False)
+    assert make_config(tiny_model("llama")).use_v2_model_runner is True
+    assert make_config(tiny_model("qwen2_moe")).use_v2_model_runner is True  # whitelisted MoE
+    assert make_config(tiny_model("mixtral")).use_v2_model_runner is False
+
+
+def test_explicit_env_wins(monkeypatch, tiny_model):
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
+    assert make_config(tiny_model("mixtral")).use_v2_model_runner is True
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "0")
+    assert make_config(tiny_model("llama")).use_v2_model_runner is False
+
+
+UNSUPPORTED = [
+    ({"parallel_config": ParallelConfig(prefill_context_parallel_size=2)}, "prefill context parallelism"),
+    ({"speculative_config": {"method": "ngram"}}, "speculative method 'ngram'"),
+    ({"parallel_config": ParallelConfig(enable_dbo=True)}, "dual batch overlap"),
+    ({"enable_return_routed_experts": True}, "routed experts capture"),
+    ({"logits_processors": [lambda ids, logits: logits]}, "custom logits processors"),
+    ({"cache_config": CacheConfig(kv_sharing_fast_prefill=True)}, "KV sharing fast prefill"),
+    ({"ec_transfer_config": {"ec_connector": "x"}}, "EC transfer"),
+]
+
+
+def build(tiny_path: str, overrides: dict) -> EngineConfig:
+    from pdserve.config import ModelConfig
+
+    model_kwargs = {k: overrides.pop(k) for k in ("enable_return_routed_experts", "logits_processors") if k in overrides}
+    return EngineConfig(model_config=ModelConfig(model=tiny_path, **model_kwargs), **overrides)
+
+
+@pytest.mark.parametrize("overrides,feature", UNSUPPORTED, ids=[f for _, f in UNSUPPORTED])
+def test_forced_v2_names_each_unsupported_feature(monkeypatch, tiny_model, overrides, feature):
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="Model Runner V2 does not yet support: ") as e:
+        build(tiny_model("llama"), dict(overrides))
+    assert feature in str(e.value)
+
+
+def test_validation_lists_every_feature(monkeypatch, tiny_model):
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
+    overrides = {
+        "parallel_config": ParallelConfig(prefill_context_parallel_size=2, enable_dbo=True),
+        "cache_config": CacheConfig(kv_sharing_fast_prefill=True),
+        "ec_transfer_config": {},
+    }
+    with pytest.raises(ValueError) as e:
+        build(tiny_model("llama"), overrides)
+    assert str(e.value) == (
+        "Model Runner V2 does not yet support: prefill context parallelism, dual batch overlap, "
+        "KV sharing fast prefill, EC transfer"
+    )
+
+
+def test_fallback_to_v1_warns_once(monkeypatch, tiny_model, caplog):
+    monkeypatch.delenv("PDSERVE_USE_V2_MODEL_RUNNER", raising=False)
+    with caplog.at_level(logging.WARNING, logger="pdserve.config"):
+        config = build(tiny_model("llama"), {"logits_processors": [lambda ids, logits: logits]})
+        assert config.use_v2_model_runner is False
+        assert config.use_v2_model_runner is False
+    warnings = [r.getMessage() for r in caplog.records if "Model Runner V2" in r.getMessage()]
+    assert warnings == [
+        "Model Runner V2 does not yet support custom logits processors; using the V1 model runner instead."
+    ]
+
+
+def test_v1_rejects_what_neither_runner_does(monkeypatch, tiny_model):
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(ValueError, match="Model Runner V1 does not support: dual batch overlap"):
+        build(tiny_model("llama"), {"parallel_config": ParallelConfig(enable_dbo=True)})
+
+
+def test_supported_speculative_method_is_still_not_implemented(monkeypatch, tiny_model):
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="speculative_config.*eagle"):
+        build(tiny_model("llama"), {"speculative_config": {"method": "eagle"}})
+
+
+@pytest.mark.parametrize(
+    "async_scheduling,v2,pp,expected",
+    [(False, True, 1, 1), (True, True, 1, 2), (True, False, 1, 2), (False, False, 1, 1),
+     (True, True, 2, 3), (True, False, 2, 2), (False, True, 2, 2)],
+)
+def test_max_concurrent_batches(async_scheduling, v2, pp, expected):
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        use_v2_model_runner=v2,
+    )
+    assert EngineConfig.max_concurrent_batches.fget(config) == expected
+
+
+@pytest.mark.parametrize(
+    "make,field",
+    [
+        (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs"),
+        (lambda: SchedulerConfig(max_num_batched_tokens=-5), "max_num_batched_tokens"),
+        (lambda: SchedulerConfig(policy="lifo"), "policy"),
+        (lambda: CacheConfig(block_size=17), "block_size"),
+        (lambda: CacheConfig(num_gpu_blocks_override=1), "num_gpu_blocks_override"),
+        (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size"),
+        (lambda: ParallelConfig(distributed_executor_backend="mpi"), "distributed_executor_backend"),
+    ],
+)
+def test_invalid_values_name_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"dtype": "int8"}, "dtype"),
+        ({"max_model_len": 10**7}, "max_model_len"),
+        ({"max_model_len": 512, "enable_chunked_prefill": False, "max_num_batched_tokens": 256}, "max_num_batched_tokens"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"kv_transfer_config": {"kv_connector": "NixlConnector"}}, "kv_transfer_config"),
+        ({"async_scheduling": True}, "async_scheduling"),
+        ({"no_such_knob": 1}, "no_such_knob"),
+    ],
+)
+def test_engine_args_errors_name_the_field(tiny_model, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        make_config(tiny_model("llama"), **kwargs)
