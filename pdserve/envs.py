@@ -31,8 +31,8 @@ def kernel_backend() -> str | None:
 
 
 def cpu_kv_cache_space_gib() -> float:
-    """PDSERVE_CPU_KVCACHE_SPACE: GiB of memory for the KV cache on CPU (default 4)."""
-    value = os.environ.get("PDSERVE_CPU_KVCACHE_SPACE", "4")
+    """PDSERVE_CPU_KVCACHE_SPACE: GiB of memory for the KV cache on CPU (default 1)."""
+    value = os.environ.get("PDSERVE_CPU_KVCACHE_SPACE", "1")
     try:
         space = float(value)
     except ValueError:
