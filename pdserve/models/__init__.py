@@ -1,0 +1,1 @@
+"""The model zoo: layers, model classes, the architecture registry and the weight loaders."""

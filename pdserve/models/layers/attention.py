@@ -1,0 +1,37 @@
+"""Attention over the paged KV cache: store this step's keys and values, then attend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+
+
+class Attention(nn.Module):
+    """Per-rank attention of one layer; the caller has already split heads over TP ranks."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """query [T, num_heads, head_dim], key/value [T, num_kv_heads, head_dim] -> [T, num_heads,
+        head_dim]. Rows past attn_metadata.num_actual_tokens (batch padding) come back zero."""
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        out = paged_attention(query, kv_cache, attn_metadata, self.scale)
+        if out.shape[0] == query.shape[0]:
+            return out
+        padded = query.new_zeros(query.shape)
+        padded[: out.shape[0]] = out
+        return padded

@@ -1,0 +1,89 @@
+"""Rotary position embedding, as HF computes it (rotate_half layout).
+
+The angles are computed per step from the positions, in float32 as HF does, rather than read
+from a precomputed cos/sin table: exact, and small next to the attention it feeds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def get_rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """The rope parameters of a config: transformers 5's `rope_parameters`, else the older
+    `rope_theta` + `rope_scaling` attributes (configs read from a raw config.json)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    # On the CPU whatever the model's device, so that every device gets HF's exact values.
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed down by `factor`, short ones kept, the middle interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def get_rope(head_dim: int, rope_parameters: dict[str, Any]) -> RotaryEmbedding:
+    rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported: "
+            f"{', '.join(_SUPPORTED_ROPE_TYPES)}."
+        )
+    if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor={rope_parameters['partial_rotary_factor']} is not supported; "
+            "pdserve rotates the whole head."
+        )
+    inv_freq = _default_inv_freq(rope_parameters["rope_theta"], head_dim)
+    if rope_type == "linear":
+        inv_freq = inv_freq / rope_parameters["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+    return RotaryEmbedding(inv_freq)

@@ -1,0 +1,65 @@
+"""Token embedding and LM head with the vocabulary split over tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from pdserve.models.utils import default_weight_loader
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r * per_partition, (r + 1) * per_partition) of the vocabulary.
+
+    The last rank's rows past the vocabulary are zero padding, so every rank's shard has the
+    same shape.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * per_partition
+        self.vocab_end = min(self.vocab_start + per_partition, num_embeddings)
+        self.weight = nn.Parameter(
+            torch.empty(per_partition, embedding_dim, dtype=params_dtype), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.dim() != 2 or loaded.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"embedding of shape {tuple(loaded.shape)} does not have the vocabulary size "
+                f"{self.num_embeddings} rows"
+            )
+        rows = self.vocab_end - self.vocab_start
+        default_weight_loader(param[:rows], loaded[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_model_parallel_all_reduce(out)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in float32 of hidden states [N, embedding_dim], as an LM head."""
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.num_embeddings]
+        return logits.float()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection of an untied model: only `compute_logits` uses it."""

@@ -1,0 +1,252 @@
+"""The Llama decoder, and the models that are Llama with small switches.
+
+Mistral is Llama; Qwen2 adds a bias to q, k and v (not o); Qwen3 normalizes q and k per head
+before the rotary embedding. The MoE models (qwen2_moe, mixtral) subclass LlamaForCausalLM and
+swap the MLP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pdserve.kernels.attention import AttentionMetadata
+from pdserve.models.layers.activation import SiluAndMul, check_gated_act
+from pdserve.models.layers.attention import Attention
+from pdserve.models.layers.layernorm import RMSNorm
+from pdserve.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pdserve.models.layers.rotary_embedding import get_rope, get_rope_parameters
+from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.models.utils import load_checkpoint_weights
+
+logger = logging.getLogger(__name__)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool,
+        params_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        check_gated_act(hidden_act)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias, params_dtype
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, params_dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        params_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        hidden_size = hf_config.hidden_size
+        total_num_heads = hf_config.num_attention_heads
+        total_num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_num_heads
+        self.head_dim = getattr(hf_config, "head_dim", None) or hidden_size // total_num_heads
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, self.head_dim, total_num_heads, total_num_kv_heads, qkv_bias, params_dtype
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            total_num_heads * self.head_dim, hidden_size, o_bias, params_dtype
+        )
+        eps = hf_config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, params_dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, params_dtype) if qk_norm else None
+        self.rotary_emb = get_rope(self.head_dim, get_rope_parameters(hf_config))
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        hf_config: PretrainedConfig,
+        params_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        hf_config: PretrainedConfig,
+        params_dtype: torch.dtype,
+        make_attention: Callable[[], nn.Module],
+        make_mlp: Callable[[int], nn.Module],
+    ) -> None:
+        super().__init__()
+        _warn_sliding_window(hf_config)
+        self.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, params_dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(make_attention(), make_mlp(i), hf_config, params_dtype)
+            for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
+        return self.norm(hidden_states)
+
+
+def _warn_sliding_window(hf_config: PretrainedConfig) -> None:
+    # Qwen configs carry a window they only use when use_sliding_window is set.
+    if not getattr(hf_config, "use_sliding_window", True):
+        return
+    window = getattr(hf_config, "sliding_window", None)
+    if window and window < hf_config.max_position_embeddings:
+        logger.warning(
+            "The model uses sliding-window attention (window %d); pdserve attends to the whole "
+            "context, so outputs differ from the reference past %d tokens.",
+            window,
+            window,
+        )
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm: ClassVar[bool] = False
+    stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+    # Checkpoint expert projection name -> (FusedMoE parameter, shard id); MoE models set it.
+    expert_params: ClassVar[dict[str, tuple[str, str]]] = {}
+
+    def __init__(self, hf_config: PretrainedConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.params_dtype = dtype
+        self.model = LlamaModel(hf_config, dtype, self._make_attention, self._make_mlp)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+
+    def _attention_biases(self) -> tuple[bool, bool]:
+        """(q/k/v bias, o bias)."""
+        bias = bool(getattr(self.config, "attention_bias", False))
+        return bias, bias
+
+    def _make_attention(self) -> nn.Module:
+        qkv_bias, o_bias = self._attention_biases()
+        return LlamaAttention(self.config, qkv_bias, o_bias, self.qk_norm, self.params_dtype)
+
+    def _make_mlp(self, layer_idx: int) -> nn.Module:
+        cfg = self.config
+        return LlamaMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.hidden_act,
+            bool(getattr(cfg, "mlp_bias", False)),
+            self.params_dtype,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_checkpoint_weights(
+            self,
+            weights,
+            stacked_params=self.stacked_params,
+            expert_params=self.expert_params,
+            # Tied checkpoints may still carry the head; the embedding is the head here.
+            ignored=["lm_head.weight"] if self.tie_word_embeddings else [],
+        )
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def _attention_biases(self) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

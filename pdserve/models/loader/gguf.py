@@ -1,0 +1,144 @@
+"""GGUF files (llama.cpp): config and tokenizer from the metadata, weights dequantized.
+
+The file layout is read with transformers' GGUF reader, which skips the vocabulary arrays that
+gguf's GGUFReader spends seconds parsing; gguf dequantizes.
+
+Tensors are renamed from llama.cpp's names to HF's, so that models load them with their usual
+load_weights; q_proj and k_proj get back the row order that convert_hf_to_gguf permuted for
+llama.cpp's rotary layout.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from transformers import (
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
+
+_SUPPORTED_ARCHITECTURES = ("llama",)
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _metadata(path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """(metadata, tensor names)."""
+    return read_gguf_metadata(str(path))
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    meta, tensor_names = _metadata(path)
+    arch = meta["general.architecture"]
+    if arch not in _SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} of {str(path)!r} is not supported; supported: "
+            f"{', '.join(_SUPPORTED_ARCHITECTURES)}."
+        )
+    num_heads = meta[f"{arch}.attention.head_count"]
+    hidden_size = meta[f"{arch}.embedding_length"]
+    rope_parameters: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        rope_parameters.update(rope_type=scaling, factor=meta[f"{arch}.rope.scaling.factor"])
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        # Without an explicit size, the vocabulary array's length (the reader gives the count).
+        vocab_size=meta.get(f"{arch}.vocab_size") or meta["tokenizer.ggml.tokens"],
+        hidden_size=hidden_size,
+        intermediate_size=meta[f"{arch}.feed_forward_length"],
+        num_hidden_layers=meta[f"{arch}.block_count"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=meta.get(f"{arch}.attention.key_length", hidden_size // num_heads),
+        max_position_embeddings=meta[f"{arch}.context_length"],
+        rms_norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
+        rope_parameters=rope_parameters,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        **load_generation_config(path),
+    )
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    # transformers builds the tokenizer, special tokens and chat template from the metadata.
+    # Not through AutoTokenizer: it first parses the whole file with GGUFReader just to pick
+    # a tokenizer class, which for GGUF is always the tokenizers backend.
+    return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def load_generation_config(path: Path) -> dict[str, Any]:
+    meta, _ = _metadata(path)
+    ids = {
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def iterate_weights(path: Path, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named float32 tensors, one at a time."""
+    header = GgufHeader.from_file(str(path))
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    for info in header.tensors:
+        name = _hf_name(info.name, path)
+        start = header.data_start + info.offset
+        rows = math.prod(info.shape[:-1])
+        # dequantize takes one row of blocks per row of the tensor (HF's [out, in] order).
+        raw = blob[start : start + info.nbytes].reshape(rows, info.nbytes // rows)
+        weights = dequantize(raw, GGMLQuantizationType(info.ggml_type)).reshape(info.shape)
+        if name.endswith("self_attn.q_proj.weight"):
+            weights = _unpermute_rotary(weights, hf_config.num_attention_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            weights = _unpermute_rotary(weights, hf_config.num_key_value_heads)
+        if not weights.flags.writeable:  # float32 tensors come back as views of the mmap
+            weights = weights.copy()
+        yield name, torch.from_numpy(weights)
+
+
+def _hf_name(gguf_name: str, path: Path) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_TENSORS:
+        raise ValueError(f"GGUF tensor {gguf_name!r} of {str(path)!r} is not supported.")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_TENSORS[kind]}.{suffix}"
+
+
+def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's permute: per head, llama.cpp interleaves the two rotary halves
+    (rows 0, d/2, 1, d/2+1, ...); HF keeps them as two blocks."""
+    half = weights.shape[0] // num_heads // 2
+    rows = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return rows.swapaxes(1, 2).reshape(weights.shape)

@@ -1,0 +1,109 @@
+"""Which HF architectures pdserve runs, and what the engine must know about each.
+
+Model classes are imported on first use, so reading the registry stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str
+    is_hybrid: bool = False
+    is_attention_free: bool = False
+    has_inner_state: bool = False
+    # Set for architectures pdserve recognizes but cannot run, with the reason why.
+    unsupported_reason: str | None = None
+
+
+# architecture -> (module under pdserve.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+}
+
+_NO_STATE_CACHE = "pdserve caches attention keys and values, and has no cache for recurrent state"
+
+
+def _stateful(architecture: str, what: str, *, hybrid: bool) -> ModelInfo:
+    """A recognized model with recurrent state: hybrid, or attention-free altogether."""
+    return ModelInfo(
+        architecture,
+        is_hybrid=hybrid,
+        is_attention_free=not hybrid,
+        has_inner_state=True,
+        unsupported_reason=f"{what}; {_NO_STATE_CACHE}",
+    )
+
+
+_QWEN3_5 = (
+    "Qwen3.5 mixes Gated DeltaNet (linear attention with a recurrent state) and attention layers"
+)
+_UNSUPPORTED: dict[str, ModelInfo] = {
+    info.architecture: info
+    for info in (
+        _stateful(
+            "MambaForCausalLM", "Mamba is a state-space model without attention", hybrid=False
+        ),
+        _stateful(
+            "Mamba2ForCausalLM", "Mamba-2 is a state-space model without attention", hybrid=False
+        ),
+        _stateful("JambaForCausalLM", "Jamba mixes Mamba and attention layers", hybrid=True),
+        _stateful("Qwen3_5ForConditionalGeneration", _QWEN3_5, hybrid=True),
+        _stateful("Qwen3_5ForCausalLM", _QWEN3_5, hybrid=True),
+    )
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_info(architectures: list[str]) -> ModelInfo:
+    """The first of `architectures` that pdserve recognizes (runnable or not)."""
+    for arch in architectures:
+        if arch in _MODELS:
+            return ModelInfo(arch)
+        if arch in _UNSUPPORTED:
+            return _UNSUPPORTED[arch]
+    raise ValueError(
+        f"Model architectures {architectures} are not supported; supported architectures: "
+        f"{', '.join(supported_architectures())}."
+    )
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    info = get_model_info([architecture])
+    if info.unsupported_reason is not None:
+        raise ValueError(
+            f"Architecture {architecture} is recognized, but pdserve cannot run it: "
+            f"{info.unsupported_reason}."
+        )
+    module_name, class_name = _MODELS[architecture]
+    module = importlib.import_module(f"pdserve.models.{module_name}")
+    return getattr(module, class_name)
+
+
+def num_experts(hf_config: Any) -> int:
+    """Routed experts per MoE layer, read as vLLM does; 0 for a dense model."""
+    get_text_config = getattr(hf_config, "get_text_config", None)
+    text_config = get_text_config() if callable(get_text_config) else hf_config
+    for name in ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts"):
+        value = getattr(text_config, name, None)
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else 0
+        return int(value)
+    return 0

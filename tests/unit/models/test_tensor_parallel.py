@@ -1,0 +1,70 @@
+"""Tensor parallelism of the model zoo: two ranks (gloo, CPU) must give HF's logits.
+
+It starts real processes, so it may belong in tests/distributed once that suite exists.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pdserve.distributed import parallel_state
+from pdserve.models.loader import load_hf_config, load_model, resolve_model_source
+from tests.utils.paged_batch import make_kv_cache, run_step
+from tests.utils.tiny_models import VOCAB_SIZE, hf_logits, load_hf_model, make_tiny_model
+
+TP_SIZE = 2
+ARCHS = ("llama", "qwen3", "opt", "qwen2_moe", "mixtral")
+PROMPTS = {"a": [random.Random(0).randrange(3, VOCAB_SIZE) for _ in range(9)], "b": [5, 6, 7, 8]}
+NEXT_TOKENS = {"a": [11], "b": [12]}
+
+
+def _rank_main(rank: int, init_file: str, model_dir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP_SIZE
+    )
+    parallel_state.init_tensor_model_parallel(dist.group.WORLD)
+    try:
+        for arch in ARCHS:
+            source = resolve_model_source(str(Path(model_dir) / arch))
+            model = load_model(load_hf_config(source), source, torch.float32, "cpu")
+            assert model.lm_head.weight.shape[0] == VOCAB_SIZE // TP_SIZE  # really sharded
+            kv = make_kv_cache(model.config, block_size=4, tp_size=TP_SIZE)
+            prefill = run_step(model, kv, list(PROMPTS.items()))
+            decode = run_step(model, kv, list(NEXT_TOKENS.items()))
+            torch.save((prefill, decode), Path(model_dir) / f"{arch}.rank{rank}.pt")
+    finally:
+        parallel_state.destroy_tensor_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_match_hf(tmp_path: Path) -> None:
+    for arch in ARCHS:
+        make_tiny_model(arch, tmp_path / arch)
+    # join=True raises if a rank fails; pytest's timeout bounds a hung collective.
+    mp.start_processes(
+        _rank_main,
+        args=(str(tmp_path / "init"), str(tmp_path)),
+        nprocs=TP_SIZE,
+        start_method="spawn",
+    )
+    for arch in ARCHS:
+        reference = load_hf_model(tmp_path / arch)
+        expected = {r: hf_logits(reference, PROMPTS[r] + NEXT_TOKENS[r]) for r in PROMPTS}
+        for rank in range(TP_SIZE):
+            prefill, decode = torch.load(tmp_path / f"{arch}.rank{rank}.pt")
+            for i, req_id in enumerate(PROMPTS):
+                n = len(PROMPTS[req_id])
+                for got, want in (
+                    (prefill[i], expected[req_id][:n]),
+                    (decode[i][0], expected[req_id][n]),
+                ):
+                    torch.testing.assert_close(
+                        got, want, atol=1e-4, rtol=0, msg=lambda m, arch=arch: f"{arch}: {m}"
+                    )

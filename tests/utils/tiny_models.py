@@ -1,0 +1,182 @@
+"""Tiny random HF models built on the fly (no hub), and HF transformers' greedy reference.
+
+Weights are drawn with a larger std than HF's init, so that logits are spread apart: greedy
+argmax has clear margins and float differences between implementations never flip a token.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    OPTConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+)
+
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt", "qwen2_moe", "mixtral")
+VOCAB_SIZE = 512
+PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_TEXT = """\
+The capital of France is Paris. The capital of Italy is Rome, and the capital of Spain is Madrid.
+A language model reads a prompt, one token after another, and writes the next token it expects.
+The scheduler decides which requests run in each step; the model runner prepares their inputs.
+Blocks of sixteen tokens hold the keys and values of every layer, so a long prompt needs many
+blocks. When memory runs short, the engine preempts the request that arrived last and computes
+it again later. Prefill instances send their cache to decode instances over a fast transport.
+One, two, three, four, five, six, seven, eight, nine, ten. Monday, Tuesday, Wednesday, Thursday.
+def add(a, b):
+    return a + b
+print(add(2, 3))  # 5
+Hello! How are you today? I am fine, thank you. What is the weather like? It is sunny and warm.
+"""
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    pad_token_id=PAD_TOKEN_ID,
+    bos_token_id=BOS_TOKEN_ID,
+    eos_token_id=EOS_TOKEN_ID,
+)
+_DECODER = dict(_COMMON, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
+    """The config make_tiny_model builds for `arch`, with `overrides` applied."""
+    if arch == "llama":
+        # Llama 3's rope scaling, with a short original context so that every band is used.
+        rope = dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
+        return LlamaConfig(**{**_DECODER, "rope_parameters": rope, **overrides})
+    if arch == "mistral":
+        return MistralConfig(**{**_DECODER, "sliding_window": None, **overrides})
+    if arch == "qwen2":
+        return Qwen2Config(**{**_DECODER, "tie_word_embeddings": True, **overrides})
+    if arch == "qwen3":
+        # head_dim apart from hidden_size / num_heads, as in the real Qwen3 models.
+        return Qwen3Config(**{**_DECODER, "head_dim": 32, **overrides})
+    if arch == "opt":
+        return OPTConfig(**{**_COMMON, "ffn_dim": 128, "word_embed_proj_dim": 64, **overrides})
+    if arch == "qwen2_moe":
+        moe = dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
+        return Qwen2MoeConfig(**{**_DECODER, **moe, **overrides})
+    if arch == "mixtral":
+        return MixtralConfig(
+            **{**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
+        )
+    raise ValueError(f"Unknown tiny model architecture {arch!r}; known: {', '.join(TINY_ARCHS)}.")
+
+
+def make_tiny_model(arch: str, path: Path, *, seed: int = 0, **config_overrides: Any) -> Path:
+    """Write a tiny random `arch` model as an HF folder at `path` and return `path`.
+
+    The folder holds config.json, model.safetensors (fp32), generation_config.json and a
+    byte-level BPE tokenizer.json with a ChatML chat template; eos is <|im_end|> (id 2).
+    """
+    path = Path(path)
+    config = tiny_config(arch, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _reinit_weights(model, seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
+    )
+    model.save_pretrained(path)
+    make_tokenizer(VOCAB_SIZE).save_pretrained(path)
+    return path
+
+
+def _reinit_weights(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if param.dim() >= 2:
+                param.copy_(noise * (2.0 / math.sqrt(param.shape[-1])))
+            elif "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            else:
+                param.copy_(0.2 * noise)
+
+
+def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on a built-in text (deterministic, about 0.1 s)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TEXT.splitlines(keepends=True), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=_SPECIAL_TOKENS[BOS_TOKEN_ID],
+        eos_token=_SPECIAL_TOKENS[EOS_TOKEN_ID],
+        pad_token=_SPECIAL_TOKENS[PAD_TOKEN_ID],
+        chat_template=_CHAT_TEMPLATE,
+    )
+
+
+def load_hf_model(path: Path) -> torch.nn.Module:
+    """The HF transformers model of an HF folder, in fp32, eval mode."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """HF's logits [len(token_ids), vocab] (fp32) of one unpadded sequence."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def hf_greedy(
+    path: Path, prompts_token_ids: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt, exactly max_new_tokens tokens each.
+
+    EOS does not stop generation (as with ignore_eos) and is never suppressed. Each step runs
+    the whole sequence without a KV cache: one prompt at a time, no padding, no cache effects.
+    """
+    model = load_hf_model(path)
+    outputs = []
+    for prompt in prompts_token_ids:
+        token_ids = list(prompt)
+        for _ in range(max_new_tokens):
+            token_ids.append(int(hf_logits(model, token_ids)[-1].argmax()))
+        outputs.append(token_ids[len(prompt) :])
+    return outputs
