@@ -52,7 +52,8 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
+        # A step also runs to tell the workers which requests finished since the last one.
+        if not (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()):
             return []
         scheduler_output = self.scheduler.schedule()
         model_output = self.executor.execute_model(scheduler_output)

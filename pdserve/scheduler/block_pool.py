@@ -11,7 +11,14 @@ logger = logging.getLogger(__name__)
 class KVCacheBlock:
     """One block of the paged KV cache, as the scheduler sees it (the tensors live in workers)."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block", "is_null")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "prev_free_block",
+        "next_free_block",
+        "is_null",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -25,7 +32,8 @@ class KVCacheBlock:
         self.is_null = False
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hashed={self.block_hash is not None})"
+        hashed = self.block_hash is not None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hashed={hashed})"
 
 
 class FreeKVCacheBlockQueue:
@@ -126,12 +134,13 @@ class BlockPool:
         blocks = [popleft() for _ in range(num_blocks)]
         for block in blocks:
             if block.block_hash is not None:
-                self._evict_cached_block(block)
+                self.evict_cached_block(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
         return blocks
 
-    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+    def evict_cached_block(self, block: KVCacheBlock) -> None:
+        """Drop the block from the prefix cache; its contents stay until it is reused."""
         assert block.block_hash is not None
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-
 from pdserve.request import Request
 from pdserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from pdserve.scheduler.kv_cache_utils import request_block_hasher
-
-logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
@@ -70,20 +66,49 @@ class KVCacheManager:
         assert num_new_tokens > 0 or num_external_computed_tokens > 0
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
-        num_held_blocks = len(req_blocks) if req_blocks is not None else 0
         num_computed_tokens = (
             request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
         )
-        num_tokens_need_slot = min(
-            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
-        )
-        num_required_blocks = -(-num_tokens_need_slot // self.block_size)
-        num_blocks_to_allocate = num_required_blocks - num_held_blocks
+        num_tokens = num_computed_tokens + num_new_tokens
+        num_held_slots = len(req_blocks) * self.block_size if req_blocks is not None else 0
+        if num_tokens + num_lookahead_tokens <= num_held_slots:
+            # The common case, a decode whose last block still has room: nothing to allocate.
+            assert not new_computed_blocks, "prefix hits come only with a request's first blocks"
+            new_blocks = []
+        else:
+            num_tokens_need_slot = min(num_tokens + num_lookahead_tokens, self.max_model_len)
+            num_required_blocks = -(-num_tokens_need_slot // self.block_size)
+            new_blocks = self._allocate_new_blocks(
+                req_id, num_required_blocks, new_computed_blocks, reserved_blocks
+            )
+            if new_blocks is None:
+                return None
+        if self.enable_caching and not delay_cache_blocks:
+            # Blocks are cached once scheduled, before the forward fills them: a request that
+            # hits them in the same step reads them after this step's KV writes. The new
+            # tokens are all known ones (no draft tokens); lookahead slots are not cached.
+            if num_tokens // self.block_size > self.num_cached_block.get(req_id, 0):
+                self.cache_blocks(request, num_tokens)
+        return new_blocks
+
+    def _allocate_new_blocks(
+        self,
+        req_id: str,
+        num_required_blocks: int,
+        new_computed_blocks: list[KVCacheBlock] | None,
+        reserved_blocks: int,
+    ) -> list[KVCacheBlock] | None:
+        """Grow the request's block table to `num_required_blocks`, prefix hits first."""
+        req_blocks = self.req_to_blocks.get(req_id)
+        num_blocks_to_allocate = num_required_blocks
         num_evictable_hits = 0
-        if new_computed_blocks:
-            assert self.enable_caching and num_held_blocks == 0
+        if req_blocks is not None:
+            assert not new_computed_blocks, "prefix hits come only with a request's first blocks"
+            num_blocks_to_allocate -= len(req_blocks)
+        elif new_computed_blocks:
+            assert self.enable_caching
             num_blocks_to_allocate -= len(new_computed_blocks)
-            # Hits on free blocks leave the free queue when touched: they count against it too.
+            # Hits on free blocks leave the free queue when touched: they count too.
             num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         num_free_blocks = self.block_pool.get_num_free_blocks() - reserved_blocks
         if num_blocks_to_allocate + num_evictable_hits > num_free_blocks:
@@ -91,18 +116,14 @@ class KVCacheManager:
         if req_blocks is None:
             # Created only now, so that a failed admission leaves no entry behind.
             req_blocks = self.req_to_blocks[req_id] = []
-        if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
-            self.num_cached_block[req_id] = len(new_computed_blocks)
-        new_blocks = (
-            self.block_pool.get_new_blocks(num_blocks_to_allocate) if num_blocks_to_allocate > 0 else []
-        )
+            if new_computed_blocks:
+                self.block_pool.touch(new_computed_blocks)
+                req_blocks.extend(new_computed_blocks)
+                self.num_cached_block[req_id] = len(new_computed_blocks)
+        if num_blocks_to_allocate <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
         req_blocks.extend(new_blocks)
-        if self.enable_caching and not delay_cache_blocks:
-            # Blocks are cached once scheduled, before the forward fills them: a request that
-            # hits them in the same step reads them after this step's KV writes.
-            self.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -119,11 +140,20 @@ class KVCacheManager:
         self.num_cached_block[req_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so its last blocks are evicted first."""
+        """Release the request's blocks, tail first, so its last blocks are evicted first.
+
+        Blocks are cached when scheduled. Those past `num_computed_tokens` belong to a step
+        that will not run (the request was preempted in the step that scheduled it): their
+        KV is incomplete, so they leave the prefix cache.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_block.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        num_cached_blocks = self.num_cached_block.pop(request.request_id, 0)
+        if not blocks:
+            return
+        for block in blocks[request.num_computed_tokens // self.block_size : num_cached_blocks]:
+            if block.block_hash is not None:
+                self.block_pool.evict_cached_block(block)
+        self.block_pool.free_blocks(reversed(blocks))
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])

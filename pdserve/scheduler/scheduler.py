@@ -1,0 +1,286 @@
+"""The scheduler: which requests run this step, how many tokens each, and what came out of it.
+
+Continuous batching with no prefill or decode phases: every request has `num_computed_tokens`
+and `num_tokens`, and each step hands out a token budget so that the former catches up, running
+requests first, then waiting ones (vLLM V1, `vllm/v1/core/sched/scheduler.py`). The step's
+SchedulerOutput is built in output_builder.py; its results are processed in output_processor.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.request import Request, RequestStatus
+from pdserve.scheduler.block_pool import KVCacheBlock
+from pdserve.scheduler.kv_cache_manager import KVCacheManager
+from pdserve.scheduler.output import SchedulerOutput
+from pdserve.scheduler.output_builder import SchedulerOutputBuilderMixin
+from pdserve.scheduler.output_processor import SchedulerOutputProcessorMixin
+from pdserve.scheduler.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_preemptions: int  # cumulative
+    prefix_cache_queries: int  # cumulative, in tokens
+    prefix_cache_hits: int  # cumulative, in tokens
+
+
+class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_blocks: int,
+        use_v2_model_runner: bool,
+        kv_connector: Any | None = None,
+    ) -> None:
+        self.max_model_len = max_model_len
+        self.use_v2_model_runner = use_v2_model_runner
+        self.connector = kv_connector
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        # EngineConfig resolves the budget; a bare SchedulerConfig gets the same default.
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens or (
+            2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        )
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, max_model_len, cache_config.enable_prefix_caching
+        )
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        # Requests that cannot be scheduled yet (waiting for a KV transfer, or for the
+        # connector to decide); looked at before `waiting` each step.
+        self.skipped_waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Ids finished / preempted since the last step. Rebound (never cleared) after each
+        # schedule(): the SchedulerOutput just built holds the old set objects.
+        self.finished_req_ids: set[str] = set()
+        self.reset_preempted_req_ids: set[str] = set()
+        # Runner V1 only: requests not scheduled in the previous step get all their tokens.
+        self.prev_step_scheduled_req_ids: set[str] = set()
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        # The engine rejects prompts longer than max_model_len before they get here.
+        assert request.num_prompt_tokens <= self.max_model_len, "prompt longer than max_model_len"
+        self.requests[request.request_id] = request
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.skipped_waiting.add_request(request)
+        else:
+            self.waiting.add_request(request)
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_scheduled_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        req_to_new_blocks: dict[str, list[KVCacheBlock]] = {}
+        scheduled_running_reqs: list[Request] = []
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        preempted = False
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        max_len_cap = self.max_model_len - 1
+
+        # 1. Running requests, in admission order: decodes and unfinished prefill chunks alike.
+        running = self.running
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            num_computed = request.num_computed_tokens
+            num_new_tokens = request.num_tokens - num_computed
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
+            # The sampled token must land below max_model_len; only a prompt of exactly
+            # max_model_len tokens may still be computed whole (it then ends LENGTH_CAPPED).
+            if num_new_tokens > max_len_cap - num_computed:
+                num_new_tokens = max(max_len_cap, request.num_prompt_tokens) - num_computed
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+            while (new_blocks := allocate_slots(request, num_new_tokens)) is None:
+                # Preempt by recompute until the request fits, or it is the victim itself.
+                if self.policy is SchedulingPolicy.PRIORITY:
+                    victim_index = max(
+                        range(len(running)),
+                        key=lambda i: (running[i].priority, running[i].arrival_time),
+                    )
+                    victim = running.pop(victim_index)
+                    if victim_index < req_index:
+                        req_index -= 1
+                    if victim.request_id in num_scheduled_tokens:
+                        # Already scheduled this step: it gives its tokens back.
+                        scheduled_running_reqs.remove(victim)
+                        token_budget += num_scheduled_tokens.pop(victim.request_id)
+                        del req_to_new_blocks[victim.request_id]
+                else:
+                    victim = running.pop()
+                self._preempt_request(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[request.request_id] = new_blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests, unless this step preempted: what was just freed goes to the
+        # preempted requests first, not to newcomers.
+        if not preempted:
+            token_budget = self._schedule_waiting(
+                token_budget, num_scheduled_tokens, scheduled_new_reqs, scheduled_resumed_reqs
+            )
+        assert token_budget >= 0 and len(self.running) <= self.max_num_running_reqs
+        return self._make_output(
+            num_scheduled_tokens,
+            req_to_new_blocks,
+            scheduled_running_reqs,
+            scheduled_new_reqs,
+            scheduled_resumed_reqs,
+        )
+
+    def _schedule_waiting(
+        self,
+        token_budget: int,
+        num_scheduled_tokens: dict[str, int],
+        scheduled_new_reqs: list[Request],
+        scheduled_resumed_reqs: list[Request],
+    ) -> int:
+        """Admit waiting requests while budget, seats and blocks last; returns the budget left."""
+        kv_cache_manager = self.kv_cache_manager
+        step_skipped = create_request_queue(self.policy)
+        while (self.waiting or self.skipped_waiting) and token_budget > 0:
+            if len(self.running) >= self.max_num_running_reqs:
+                break
+            queue = self._select_waiting_queue()
+            request = queue.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._update_waiting_for_remote_kv(request):
+                    step_skipped.add_request(queue.pop_request())
+                    continue
+
+            num_external_tokens, load_kv_async = 0, False
+            new_computed_blocks: list[KVCacheBlock] = []
+            num_local_computed = 0
+            if request.num_computed_tokens == 0:
+                new_computed_blocks, num_local_computed = kv_cache_manager.get_computed_blocks(
+                    request
+                )
+                if self.connector is not None:
+                    num_external, load_kv_async = self.connector.get_num_new_matched_tokens(
+                        request, num_local_computed
+                    )
+                    if num_external is None:  # the connector cannot tell yet: ask next step
+                        step_skipped.add_request(queue.pop_request())
+                        continue
+                    num_external_tokens = num_external
+                num_computed_tokens = num_local_computed + num_external_tokens
+            else:
+                # Only a request whose remote KV arrived gets here with computed tokens.
+                num_computed_tokens = request.num_computed_tokens
+
+            num_new_tokens = 0
+            if not load_kv_async:
+                num_new_tokens = request.num_tokens - num_computed_tokens
+                if num_new_tokens > token_budget:
+                    if not self.enable_chunked_prefill:
+                        break  # the prompt waits for a step with room for all of it
+                    num_new_tokens = token_budget
+                assert num_new_tokens > 0
+            new_blocks = kv_cache_manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens=num_local_computed,
+                new_computed_blocks=new_computed_blocks,
+                num_external_computed_tokens=num_external_tokens,
+                delay_cache_blocks=load_kv_async,
+            )
+            if new_blocks is None:
+                break  # waiting requests never preempt
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    request, kv_cache_manager.get_blocks(request.request_id), num_external_tokens
+                )
+            queue.pop_request()
+            if load_kv_async:
+                # Parked until the worker reports the transfer done; counted as computed now.
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                request.num_computed_tokens = num_computed_tokens
+                step_skipped.add_request(request)
+                continue
+
+            self.running.append(request)
+            if request.status == RequestStatus.WAITING:
+                scheduled_new_reqs.append(request)
+            elif request.status == RequestStatus.PREEMPTED:
+                scheduled_resumed_reqs.append(request)
+            else:
+                raise RuntimeError(f"Invalid request status: {request.status!r}")
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed_tokens
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+        if step_skipped:
+            self.skipped_waiting.prepend_requests(step_skipped)
+        return token_budget
+
+    def _select_waiting_queue(self) -> RequestQueue:
+        if not self.skipped_waiting:
+            return self.waiting
+        if self.policy is SchedulingPolicy.FCFS or not self.waiting:
+            return self.skipped_waiting
+        skipped_first = self.skipped_waiting.peek_request() < self.waiting.peek_request()
+        return self.skipped_waiting if skipped_first else self.waiting
+
+    def _preempt_request(self, request: Request) -> None:
+        """Recompute preemption: drop the blocks (their hashes stay cached) and queue it first."""
+        assert request.status == RequestStatus.RUNNING
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+        self.reset_preempted_req_ids.add(request.request_id)
+        logger.debug("Preempted request %s.", request.request_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """Finished ids not yet sent to the workers: one more step must carry them."""
+        return len(self.finished_req_ids) > 0
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + len(self.skipped_waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
