@@ -44,26 +44,16 @@ def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
     return prompts
 
 
-def resolve_model(name: str, tmp: Path) -> tuple[str, str]:
-    """Returns (pdserve model argument, kind)."""
+def resolve_model(name: str, tmp: Path) -> str:
     if name == "default":
         from pdserve.models.loader import default_model_path
 
-        return str(default_model_path()), "gguf"
+        return str(default_model_path())
     if name == "tiny":
         from tests.utils.tiny_models import make_tiny_model
 
-        return str(make_tiny_model("llama", tmp / "tiny")), "hf"
-    return name, "gguf" if name.endswith(".gguf") else "hf"
-
-
-def load_hf(model: str, kind: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    if kind == "gguf":
-        path = Path(model)
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        return str(make_tiny_model("llama", tmp / "tiny"))
+    return name
 
 
 def run_pdserve(model: str, prompts: list[list[int]], output_len: int, dtype: str) -> float:
@@ -110,14 +100,16 @@ def main() -> None:
     from pdserve.models import loader
 
     with tempfile.TemporaryDirectory() as tmp:
-        model, kind = resolve_model(args.model, Path(tmp))
+        model = resolve_model(args.model, Path(tmp))
         tokenizer = loader.load_tokenizer(ModelConfig(model=model).source)
         prompts = make_prompts(tokenizer, args.num_prompts)
         total_tokens = args.num_prompts * args.output_len
 
         pd_time = run_pdserve(model, prompts, args.output_len, args.dtype)
         gc.collect()
-        hf_model = load_hf(model, kind, getattr(torch, args.dtype)).eval()
+        from tests.utils.tiny_models import load_hf_model
+
+        hf_model = load_hf_model(Path(model), getattr(torch, args.dtype))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         hf_time = run_hf(hf_model, pad_id, prompts, args.output_len, args.hf_batch_size)
 

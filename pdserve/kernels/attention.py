@@ -65,10 +65,12 @@ def paged_attention(
     max_kv = num_blocks * block_size
     device = query.device
 
-    blocks = kv_cache[md.block_table[:num_reqs, :num_blocks].long()]  # [B, nb, 2, bs, Hkv, D]
-    num_kv_heads = blocks.shape[4]
-    key = blocks[:, :, 0].reshape(num_reqs, max_kv, num_kv_heads, head_dim)
-    value = blocks[:, :, 1].reshape(num_reqs, max_kv, num_kv_heads, head_dim)
+    # index_select of keys and values separately is the fastest CPU gather (several times
+    # faster than advanced indexing) and yields contiguous blocks, so the view below is free.
+    block_ids = md.block_table[:num_reqs, :num_blocks].reshape(-1).long()
+    num_kv_heads = kv_cache.shape[3]
+    key = kv_cache[:, 0].index_select(0, block_ids).view(num_reqs, max_kv, num_kv_heads, head_dim)
+    value = kv_cache[:, 1].index_select(0, block_ids).view(num_reqs, max_kv, num_kv_heads, head_dim)
 
     qsl = md.query_start_loc[: num_reqs + 1].long()
     query_lens = qsl[1:] - qsl[:-1]
@@ -90,8 +92,8 @@ def paged_attention(
     )
     out = F.scaled_dot_product_attention(
         padded_q.transpose(1, 2),
-        key.to(query.dtype).transpose(1, 2),
-        value.to(query.dtype).transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
         attn_mask=mask[:, None],
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,

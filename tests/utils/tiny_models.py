@@ -153,9 +153,23 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def load_hf_model(path: Path) -> torch.nn.Module:
-    """The HF transformers model of an HF folder, in fp32, eval mode."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def load_hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The HF transformers model of an HF folder or a .gguf file, in eval mode."""
+    path = Path(path)
+    if path.suffix != ".gguf":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    from transformers import AutoConfig
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # transformers' own GGUF path (from_pretrained(gguf_file=) minus its accelerate dependency).
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
+    model.load_state_dict(state["tensors"], strict=False)
+    model.tie_weights()
+    return model.to(dtype).eval()
 
 
 @torch.inference_mode()

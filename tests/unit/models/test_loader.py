@@ -25,7 +25,7 @@ from pdserve.models.loader import (
 )
 from pdserve.models.loader import source as source_module
 from tests.utils.paged_batch import make_kv_cache, run_step
-from tests.utils.tiny_models import EOS_TOKEN_ID, make_tiny_model
+from tests.utils.tiny_models import EOS_TOKEN_ID, load_hf_model, make_tiny_model
 
 
 def _write_config(folder: Path, config: dict) -> Path:
@@ -240,20 +240,9 @@ def test_gguf_model_knows_the_capital_of_france(smollm2: SmolLM2) -> None:
 
 
 def test_gguf_model_matches_transformers_gguf_load(smollm2: SmolLM2) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = smollm2.source.path
-    # transformers' own GGUF path (from_pretrained(gguf_file=) minus its accelerate dependency).
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with no_init_weights():
-        reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=reference)
-    reference.load_state_dict(state["tensors"], strict=False)
-    reference.tie_weights()
+    reference = load_hf_model(smollm2.source.path)
     with torch.inference_mode():
-        expected = reference.eval()(torch.tensor([smollm2.prompt_ids])).logits[0]
+        expected = reference(torch.tensor([smollm2.prompt_ids])).logits[0]
 
     logits = _prefill_logits(smollm2.model, smollm2.prompt_ids)
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
