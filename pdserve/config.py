@@ -55,6 +55,8 @@ class ModelConfig:
     # Callables (output_token_ids, logits) -> logits applied per request (runner V1 only).
     logits_processors: list[Callable[..., torch.Tensor]] | None = None
     enable_return_routed_experts: bool = False
+    # Off: runner V2 captures CUDA graphs of decode (and small mixed) steps on CUDA devices.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         # Imported here: the loader pulls in the model zoo, which config users may not need.

@@ -29,6 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -36,7 +37,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "model", "dtype", "max_model_len", "block_size", "num_gpu_blocks_override",
         "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "seed", "tensor_parallel_size", "pipeline_parallel_size",
-        "distributed_executor_backend",
+        "distributed_executor_backend", "enforce_eager",
     ]
     return {n: getattr(args, n) for n in names}
 
