@@ -187,6 +187,11 @@ class ParallelConfig:
         )
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                "distributed_executor_backend='uni' runs one rank; world size "
+                f"{self.world_size} (tensor_parallel_size x pipeline_parallel_size) needs 'mp' or 'ray'."
+            )
 
     @property
     def world_size(self) -> int:
@@ -259,12 +264,10 @@ class EngineConfig:
         """Knobs whose mechanism later work brings: a clear error rather than a silent no-op."""
         par = self.parallel_config
         missing = []
-        if par.tensor_parallel_size > 1:
-            missing.append(f"tensor_parallel_size={par.tensor_parallel_size}")
         if par.pipeline_parallel_size > 1:
             missing.append(f"pipeline_parallel_size={par.pipeline_parallel_size}")
-        if par.distributed_executor_backend != "uni":
-            missing.append(f"distributed_executor_backend={par.distributed_executor_backend!r}")
+        if par.distributed_executor_backend == "ray":
+            missing.append("distributed_executor_backend='ray'")
         if self.scheduler_config.async_scheduling:
             missing.append("async_scheduling=True")
         if self.kv_transfer_config is not None:
@@ -272,7 +275,7 @@ class EngineConfig:
         if missing:
             raise ValueError(
                 "pdserve does not implement yet: " + ", ".join(missing)
-                + " (only the in-process executor with one rank and synchronous scheduling exist)."
+                + " (the in-process and multiprocess executors with synchronous scheduling exist)."
             )
 
     # ---- runner selection -------------------------------------------------------------------

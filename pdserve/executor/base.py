@@ -24,6 +24,10 @@ class Executor(ABC):
             from pdserve.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
+        if backend == "mp":
+            from pdserve.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor
         raise ValueError(f"distributed_executor_backend={backend!r} is not implemented yet.")
 
     @abstractmethod

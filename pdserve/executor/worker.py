@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from pdserve import envs
 from pdserve.config import EngineConfig
+from pdserve.distributed import parallel_state
 from pdserve.outputs import ModelRunnerOutput
 from pdserve.runners.base import ModelRunnerBase
 from pdserve.scheduler.output import SchedulerOutput
@@ -16,16 +18,47 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", local_rank)
         if config.use_v2_model_runner:
             from pdserve.runners.v2.model_runner import ModelRunnerV2 as runner_cls
         else:
             from pdserve.runners.v1.model_runner import ModelRunnerV1 as runner_cls
         logger.info("Rank %d uses %s", rank, runner_cls.__name__)
         self.model_runner: ModelRunnerBase = runner_cls(config, self.device)
+
+    def init_distributed(self) -> None:
+        """Join the world and build this rank's tensor-parallel group (PP groups: stage-major)."""
+        par = self.config.parallel_config
+        if par.world_size == 1:
+            return
+        assert self.distributed_init_method is not None
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(
+            backend, init_method=self.distributed_init_method,
+            world_size=par.world_size, rank=self.rank,
+        )
+        tp = par.tensor_parallel_size
+        # Every rank creates every group, in the same order, as torch.distributed requires.
+        for stage in range(par.pipeline_parallel_size):
+            ranks = list(range(stage * tp, (stage + 1) * tp))
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                parallel_state.init_tensor_model_parallel(group)
 
     def load_model(self) -> None:
         torch.manual_seed(self.config.model_config.seed)
@@ -54,3 +87,8 @@ class Worker:
 
     def check_health(self) -> None:
         return None
+
+    def shutdown(self) -> None:
+        parallel_state.destroy_tensor_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,209 @@
+"""MultiprocExecutor: one spawned worker process per rank, driven over shared-memory queues.
+
+Each call is broadcast to every worker through one MessageQueue; each worker answers on its own.
+A response thread resolves futures strictly in submission order; a monitor thread notices a dead
+worker, marks the executor failed, shuts it down and calls the failure callback once.
+See docs/executors.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import msgspec
+
+from pdserve.config import EngineConfig
+from pdserve.executor.base import Executor
+from pdserve.executor.message_queue import MessageQueue, MessageQueueHandle
+from pdserve.executor.rpc import check_method, decode_reply, decode_result, encode_call
+from pdserve.executor.worker import Worker
+from pdserve.executor.worker_proc import READY, worker_main
+from pdserve.utils import get_open_port
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 300.0
+_GRACEFUL_EXIT_S = 5.0
+
+
+@dataclass
+class WorkerHandle:
+    rank: int
+    proc: BaseProcess
+    death_writer: Connection
+    response_mq: MessageQueue | None = None
+
+
+@dataclass
+class _PendingCall:
+    future: Future
+    method: str
+    ranks: list[int]
+    single: bool
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.world_size = config.parallel_config.world_size
+        self.shutting_down = False
+        self.workers: list[WorkerHandle] = []
+        self._pending: queue.Queue[_PendingCall | None] = queue.Queue()
+        self._send_lock = threading.Lock()
+        self.rpc_broadcast_mq: MessageQueue | None = MessageQueue(num_local_readers=self.world_size)
+        try:
+            self._start_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._response_thread = threading.Thread(target=self._resolve_responses, daemon=True,
+                                                 name="pdserve-executor-responses")
+        self._response_thread.start()
+        self._monitor_thread = threading.Thread(target=self._monitor_workers, daemon=True,
+                                                name="pdserve-worker-monitor")
+        self._monitor_thread.start()
+
+    @property
+    def local_world_size(self) -> int:
+        return self.world_size
+
+    def _start_workers(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        ready_readers = []
+        for rank in range(self.world_size):
+            ready_reader, ready_writer = ctx.Pipe(duplex=False)
+            death_reader, death_writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=worker_main, name=f"pdserve-worker-{rank}", daemon=True,
+                args=(self.config, rank, rank, init_method, self.rpc_broadcast_mq.handle,
+                      ready_writer, death_reader),
+            )
+            proc.start()
+            ready_writer.close()
+            death_reader.close()
+            self.workers.append(WorkerHandle(rank, proc, death_writer))
+            ready_readers.append(ready_reader)
+        for worker, reader in zip(self.workers, ready_readers):
+            handle = self._wait_for_ready(worker, reader)
+            worker.response_mq = MessageQueue.attach(handle, reader_rank=0)
+        self.rpc_broadcast_mq.wait_until_ready()
+
+    @staticmethod
+    def _wait_for_ready(worker: WorkerHandle, reader: Connection) -> MessageQueueHandle:
+        try:
+            if not reader.poll(_STARTUP_TIMEOUT_S):
+                raise RuntimeError(f"Worker rank {worker.rank} did not start within {_STARTUP_TIMEOUT_S:.0f} s.")
+            status, payload = reader.recv()
+        except EOFError:
+            worker.proc.join(5)
+            raise RuntimeError(
+                f"Worker rank {worker.rank} died during start-up (exit code {worker.proc.exitcode})."
+            ) from None
+        finally:
+            reader.close()
+        if status != READY:
+            raise RuntimeError(f"Worker rank {worker.rank} failed to start: {payload}")
+        return msgspec.msgpack.decode(payload, type=MessageQueueHandle)
+
+    # ---- RPC -------------------------------------------------------------------------------
+
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        if self.is_failed or self.rpc_broadcast_mq is None:
+            raise RuntimeError("Executor failed.")
+        check_method(Worker, method)
+        payload = encode_call(method, args, kwargs or {}, unique_reply_rank)
+        ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
+        future: Future = Future()
+        with self._send_lock:  # a call's place in the queue is its place in every response order
+            self._pending.put(_PendingCall(future, method, ranks, unique_reply_rank is not None))
+            self.rpc_broadcast_mq.enqueue(payload)
+        if non_block:
+            return future
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"RPC call to {method} timed out.") from None
+
+    def _resolve_responses(self) -> None:
+        while (call := self._pending.get()) is not None:
+            try:
+                # Every rank's reply is read before any error is raised: a reply left in a
+                # queue would be taken as the answer to the next call.
+                replies = [(rank, decode_reply(self._dequeue(self.workers[rank]))) for rank in call.ranks]
+                results = []
+                for rank, reply in replies:
+                    if not reply.ok:
+                        raise RuntimeError(
+                            f"Worker rank {rank} failed in {call.method}: "
+                            f"{msgspec.msgpack.decode(bytes(reply.result))}"
+                        )
+                    results.append(decode_result(Worker, call.method, reply))
+                call.future.set_result(results[0] if call.single else results)
+            except Exception as e:
+                call.future.set_exception(e)
+
+    def _dequeue(self, worker: WorkerHandle) -> bytes:
+        while True:
+            if self.is_failed or self.shutting_down or worker.response_mq is None:
+                raise RuntimeError("Executor failed.")
+            try:
+                return worker.response_mq.dequeue(timeout=1.0)
+            except TimeoutError:
+                continue
+
+    # ---- failure and shutdown --------------------------------------------------------------
+
+    def _monitor_workers(self) -> None:
+        sentinels = {w.proc.sentinel: w for w in self.workers}
+        died = wait(list(sentinels))
+        if self.shutting_down:
+            return
+        dead = sentinels[died[0]]
+        logger.error("Worker rank %d (pid %s) died unexpectedly, shutting down executor.",
+                     dead.rank, dead.proc.pid)
+        self.is_failed = True
+        self.shutdown()
+        if self._failure_callback is not None:
+            self._failure_callback()
+
+    def shutdown(self) -> None:
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        for w in self.workers:
+            w.death_writer.close()  # EOF tells each worker its parent is leaving
+        deadline = time.monotonic() + _GRACEFUL_EXIT_S
+        for w in self.workers:
+            w.proc.join(max(0.0, deadline - time.monotonic()))
+        for sig_method, grace in (("terminate", 4.0), ("kill", 1.0)):
+            alive = [w.proc for w in self.workers if w.proc.is_alive()]
+            for proc in alive:
+                getattr(proc, sig_method)()
+            for proc in alive:
+                proc.join(grace)
+        self._pending.put(None)
+        for w in self.workers:
+            if w.response_mq is not None:
+                w.response_mq.close()
+                w.response_mq = None
+        if self.rpc_broadcast_mq is not None:
+            self.rpc_broadcast_mq.close()
+            self.rpc_broadcast_mq = None

@@ -1,0 +1,104 @@
+"""The main function of one worker process of the MultiprocExecutor."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import _thread
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.executor.message_queue import MessageQueue, MessageQueueHandle
+from pdserve.executor.rpc import decode_args, decode_call, encode_reply
+from pdserve.executor.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+READY, FAILED = "READY", "FAILED"
+_EXIT_GRACE_S = 5.0
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _watch_parent(death_reader: Connection) -> None:
+    """The parent holds the writing end: EOF means it is gone (or shutting us down).
+
+    The main thread is interrupted with SIGTERM so that it leaves through its cleanup (closing
+    and unlinking its queues); if it is stuck, the process exits anyway after a grace period.
+    """
+    try:
+        death_reader.recv()
+    except EOFError:
+        pass
+    _thread.interrupt_main(signal.SIGTERM)
+    time.sleep(_EXIT_GRACE_S)
+    os._exit(1)
+
+
+def worker_main(
+    config: EngineConfig,
+    rank: int,
+    local_rank: int,
+    distributed_init_method: str,
+    broadcast_handle: MessageQueueHandle,
+    ready_writer: Connection,
+    death_reader: Connection,
+) -> None:
+    # SIGTERM from the executor's shutdown: leave through SystemExit so finally-blocks run.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us
+    threading.Thread(target=_watch_parent, args=(death_reader,), daemon=True).start()
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"))
+    broadcast = response = None
+    try:
+        par = config.parallel_config
+        # The ranks of this node share its cores; more threads than cores only thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.world_size))
+        worker = Worker(config, rank=rank, local_rank=local_rank,
+                        distributed_init_method=distributed_init_method)
+        worker.init_distributed()
+        worker.load_model()
+        broadcast = MessageQueue.attach(broadcast_handle, local_rank)
+        response = MessageQueue(num_local_readers=1)
+        ready_writer.send((READY, msgspec.msgpack.encode(response.handle)))
+    except BaseException as e:
+        ready_writer.send((FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+    finally:
+        ready_writer.close()
+
+    try:
+        response.wait_until_ready()
+        _busy_loop(worker, rank, broadcast, response)
+    except SystemExit:
+        pass
+    finally:
+        worker.shutdown()
+        for mq in (broadcast, response):
+            mq.close()
+
+
+def _busy_loop(worker: Worker, rank: int, broadcast: MessageQueue, response: MessageQueue) -> None:
+    while True:
+        try:
+            call = decode_call(broadcast.dequeue())
+        except msgspec.DecodeError:
+            logger.exception("Rank %d dropped a message it could not decode", rank)
+            continue
+        try:
+            args, kwargs = decode_args(Worker, call)
+            result, ok = getattr(worker, call.method)(*args, **kwargs), True
+        except Exception as e:
+            logger.exception("Rank %d failed in %s", rank, call.method)
+            result, ok = f"{type(e).__name__}: {e}", False
+        if call.output_rank is None or call.output_rank == rank:
+            response.enqueue(encode_reply(ok, result))
