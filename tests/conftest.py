@@ -1,13 +1,25 @@
-"""Shared fixtures: tiny random models built once per session, never downloaded."""
+"""Shared fixtures: tiny random models built once per session, never downloaded.
+
+Without a GPU, Triton kernels run in Triton's interpreter. Triton reads TRITON_INTERPRET when a
+function is decorated (its own library functions included, at `import triton`), so it is set
+here, before any test module imports pdserve. The torch references ignore it.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Callable
+import os
 
-import pytest
+import torch
 
-from tests.utils.tiny_models import make_tiny_model
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.utils.tiny_models import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

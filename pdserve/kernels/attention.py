@@ -1,8 +1,9 @@
-"""Attention over the paged KV cache, and writes into it (torch reference path).
+"""Attention over the paged KV cache: the batch metadata, the torch reference and the dispatch.
 
 A layer's KV cache is a view of shape [num_blocks, 2, block_size, num_kv_heads, head_dim]
 (index 0 keys, 1 values) into the engine's block-major cache, so one block of every layer
-is contiguous in memory (see docs/kv_cache.md).
+is contiguous in memory (see docs/kv_cache.md). The Triton kernel is in attention_triton.py;
+writes into the cache are in kv_cache.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.kernels import backend
+
+if backend.HAS_TRITON:
+    from pdserve.kernels.attention_triton import paged_attention_triton
 
 
 @dataclass
@@ -31,23 +37,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64; -1 = padding, not written
 
 
-def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots."""
-    num_tokens = slot_mapping.shape[0]
-    key, value = key[:num_tokens], value[:num_tokens]
-    block_size = kv_cache.shape[2]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-    block_idx = slot_mapping // block_size
-    block_off = slot_mapping % block_size
-    kv_cache[block_idx, 0, block_off] = key.to(kv_cache.dtype)
-    kv_cache[block_idx, 1, block_off] = value.to(kv_cache.dtype)
-
-
-def paged_attention(
+def paged_attention_torch(
     query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache.
@@ -101,3 +91,13 @@ def paged_attention(
     if token_req is None:
         return out[:, 0]
     return out[token_req, token_pos]
+
+
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache;
+    returns [md.num_actual_tokens, num_heads, head_dim] in the query's dtype."""
+    if backend.use_triton(query.device):
+        return paged_attention_triton(query, kv_cache, md, scale)
+    return paged_attention_torch(query, kv_cache, md, scale)

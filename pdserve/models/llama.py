@@ -24,7 +24,11 @@ from pdserve.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pdserve.models.layers.rotary_embedding import get_rope, get_rope_parameters
+from pdserve.models.layers.rotary_embedding import (
+    RotaryEmbedding,
+    get_rope,
+    get_rope_parameters,
+)
 from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.utils import load_checkpoint_weights
 
@@ -52,10 +56,17 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+def _head_dim(hf_config: PretrainedConfig) -> int:
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
         hf_config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
@@ -65,7 +76,7 @@ class LlamaAttention(nn.Module):
         hidden_size = hf_config.hidden_size
         total_num_heads = hf_config.num_attention_heads
         total_num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_num_heads
-        self.head_dim = getattr(hf_config, "head_dim", None) or hidden_size // total_num_heads
+        self.head_dim = _head_dim(hf_config)
         self.qkv_proj = QKVParallelLinear(
             hidden_size, self.head_dim, total_num_heads, total_num_kv_heads, qkv_bias, params_dtype
         )
@@ -77,7 +88,7 @@ class LlamaAttention(nn.Module):
         eps = hf_config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, params_dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, params_dtype) if qk_norm else None
-        self.rotary_emb = get_rope(self.head_dim, get_rope_parameters(hf_config))
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
 
     def forward(
@@ -119,17 +130,20 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(
-            positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata
-        )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream it adds to), left unsummed (vLLM's layout):
+        the next norm adds them, so each residual add is fused into the norm that follows it."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -137,7 +151,7 @@ class LlamaModel(nn.Module):
         self,
         hf_config: PretrainedConfig,
         params_dtype: torch.dtype,
-        make_attention: Callable[[], nn.Module],
+        make_attention: Callable[[RotaryEmbedding], nn.Module],
         make_mlp: Callable[[int], nn.Module],
     ) -> None:
         super().__init__()
@@ -145,8 +159,15 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             hf_config.vocab_size, hf_config.hidden_size, params_dtype
         )
+        # One table for all layers, as HF's model-level rotary_emb.
+        self.rotary_emb = get_rope(
+            _head_dim(hf_config),
+            get_rope_parameters(hf_config),
+            getattr(hf_config, "max_position_embeddings", None) or 2048,
+            params_dtype,
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(make_attention(), make_mlp(i), hf_config, params_dtype)
+            LlamaDecoderLayer(make_attention(self.rotary_emb), make_mlp(i), hf_config, params_dtype)
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype)
@@ -159,9 +180,13 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, kv_cache, attn_metadata
+            )
+        assert residual is not None, "a model has at least one layer"
+        return self.norm(hidden_states, residual)[0]
 
 
 def _warn_sliding_window(hf_config: PretrainedConfig) -> None:
@@ -206,9 +231,11 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(self.config, "attention_bias", False))
         return bias, bias
 
-    def _make_attention(self) -> nn.Module:
+    def _make_attention(self, rotary_emb: RotaryEmbedding) -> nn.Module:
         qkv_bias, o_bias = self._attention_biases()
-        return LlamaAttention(self.config, qkv_bias, o_bias, self.qk_norm, self.params_dtype)
+        return LlamaAttention(
+            self.config, rotary_emb, qkv_bias, o_bias, self.qk_norm, self.params_dtype
+        )
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         cfg = self.config

@@ -34,7 +34,11 @@ class SamplingRow:
 
 
 class ModelRunnerBase:
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(
+        self, config: EngineConfig, device: torch.device, use_sampling_kernels: bool
+    ) -> None:
+        """use_sampling_kernels: sample with the dispatching kernels (Triton on CUDA) rather
+        than always with the torch reference."""
         self.config = config
         self.model_config = config.model_config
         self.device = device
@@ -44,7 +48,7 @@ class ModelRunnerBase:
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         self.eos_token_ids = self.model_config.eos_token_ids
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_kernels=use_sampling_kernels)
         self.model: torch.nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []

@@ -1,4 +1,5 @@
-"""Input preparation shared by both runners: from per-request rows to one flat step batch."""
+"""A step's flat batch, as both runners hand it to the model: V1 builds it from host arrays,
+V2 from the input-prep kernel's output."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.input_prep import PreparedInputs
 
 
 @dataclass
@@ -50,3 +52,24 @@ def build_step_inputs(
     )
     logits_indices = query_start_loc[1:][sampling_rows].long() - 1
     return StepInputs(input_ids, positions, md, logits_indices)
+
+
+def step_inputs_from_prepared(
+    prepared: PreparedInputs,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    logits_indices: torch.Tensor,
+) -> StepInputs:
+    """Runner V2's step: the kernel-prepared inputs plus what the host knows without a sync."""
+    md = AttentionMetadata(
+        num_reqs=prepared.seq_lens.shape[0],
+        num_actual_tokens=prepared.input_ids.shape[0],
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        query_start_loc=query_start_loc,
+        seq_lens=prepared.seq_lens,
+        block_table=prepared.block_table,
+        slot_mapping=prepared.slot_mapping,
+    )
+    return StepInputs(prepared.input_ids, prepared.positions, md, logits_indices)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from pdserve.kernels.attention import AttentionMetadata, paged_attention
+from pdserve.kernels.kv_cache import write_kv_cache
 
 
 class Attention(nn.Module):

@@ -2,24 +2,40 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import nn
 
+from pdserve.kernels.norm import fused_add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
-    """HF LlamaRMSNorm numerics: the variance in float32, the weight applied in the input dtype."""
+    """HF LlamaRMSNorm numerics: the variance in float32, the weight applied in the input dtype.
+
+    Given the residual stream too, it adds it first (vLLM's fused_add_rms_norm) and returns
+    (normalized, residual + x): one pass over the hidden states instead of two on a GPU.
+    """
 
     def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * x.to(input_dtype)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.variance_epsilon)
+        return fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
 
 
 # OPT normalizes with torch's own LayerNorm (HF does too); named here so that models find every

@@ -1,7 +1,8 @@
 """Rotary position embedding, as HF computes it (rotate_half layout).
 
-The angles are computed per step from the positions, in float32 as HF does, rather than read
-from a precomputed cos/sin table: exact, and small next to the attention it feeds.
+cos and sin are computed once per model for every position, with HF's float32 ops on the
+model's device, and gathered per step (see pdserve.kernels.rotary): the same values HF
+computes per step, without evaluating them again in every layer of every step.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+
+from pdserve.kernels.rotary import build_cos_sin_cache, rotary_embedding
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -50,26 +53,25 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, inv_freq: torch.Tensor) -> None:
+    """One per model: every attention layer shares its cos/sin table."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer(
+            "cos_sin_cache", build_cos_sin_cache(inv_freq, max_position, dtype), persistent=False
+        )
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim]."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+        return rotary_embedding(positions, query, key, self.cos_sin_cache)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def get_rope(head_dim: int, rope_parameters: dict[str, Any]) -> RotaryEmbedding:
+def get_rope(
+    head_dim: int, rope_parameters: dict[str, Any], max_position: int, dtype: torch.dtype
+) -> RotaryEmbedding:
+    """The rotary embedding of positions [0, max_position), its table in `dtype`."""
     rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -86,4 +88,4 @@ def get_rope(head_dim: int, rope_parameters: dict[str, Any]) -> RotaryEmbedding:
         inv_freq = inv_freq / rope_parameters["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
-    return RotaryEmbedding(inv_freq)
+    return RotaryEmbedding(inv_freq, max_position, dtype)

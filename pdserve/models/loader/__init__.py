@@ -59,7 +59,7 @@ def load_model(
     with torch.device(device):
         model = model_cls(hf_config, dtype)
     model.load_weights(_iterate_weights(source, hf_config))
-    # Also moves buffers built on the CPU on purpose (rotary frequencies).
+    # Also moves any buffer a layer built on the CPU.
     model = model.to(device).eval().requires_grad_(False)
     logger.info(
         "Loaded %s (%s) from %s in %.1f s",

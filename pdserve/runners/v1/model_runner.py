@@ -15,7 +15,7 @@ from pdserve.scheduler.output import SchedulerOutput
 
 class ModelRunnerV1(ModelRunnerBase):
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        super().__init__(config, device)
+        super().__init__(config, device, use_sampling_kernels=False)
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)
         self.logits_processors = self.model_config.logits_processors

@@ -6,23 +6,58 @@ a new request whose `prefill_token_ids` carry prompt + outputs. Inputs are gathe
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.kernels import backend
 from pdserve.kernels.input_prep import prepare_inputs
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from pdserve.runners.base import ModelRunnerBase, SamplingRow
-from pdserve.runners.inputs import build_step_inputs
-from pdserve.runners.v2.states import RequestStates
+from pdserve.runners.inputs import StepInputs, step_inputs_from_prepared
+from pdserve.runners.v2.cudagraph import CudaGraphModel, StaticInputs, batch_descriptors
+from pdserve.runners.v2.states import RequestStates, to_device
 from pdserve.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunnerV2(ModelRunnerBase):
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        super().__init__(config, device)
+        super().__init__(config, device, use_sampling_kernels=True)
         self.states = RequestStates(
             self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req, device
         )
+        self.cudagraphs: CudaGraphModel | None = None
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        super().initialize_kv_cache(num_blocks)
+        if self._use_cudagraphs():
+            assert self.model is not None, "load_model() first"
+            sched = self.config.scheduler_config
+            descriptors = batch_descriptors(sched.max_num_seqs, sched.max_num_batched_tokens)
+            static = StaticInputs(
+                max(d.num_tokens for d in descriptors), self.max_num_blocks_per_req,
+                self.max_model_len, self.device,
+            )
+            self.cudagraphs = CudaGraphModel(self.model, static, descriptors)
+            self.cudagraphs.capture(self.kv_caches)
+            self.model = self.cudagraphs
+
+    def _use_cudagraphs(self) -> bool:
+        if self.device.type != "cuda" or self.model_config.enforce_eager:
+            return False
+        # The torch references sync with the host (data-dependent shapes), as does the MoE
+        # layer's per-expert loop: a graph cannot capture them.
+        if not backend.use_triton(self.device):
+            logger.info("CUDA graphs off: PDSERVE_KERNEL_BACKEND=torch")
+            return False
+        if self.model_config.is_moe:
+            logger.info("CUDA graphs off: the MoE layer syncs with the host")
+            return False
+        return True
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | (so.preempted_req_ids or set()):
@@ -32,7 +67,7 @@ class ModelRunnerV2(ModelRunnerBase):
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             idx = self.states.req_id_to_index[req_id]
-            self.states.num_computed_tokens[idx] = cached.num_computed_tokens[i]
+            self.states.num_computed_tokens_np[idx] = cached.num_computed_tokens[i]
             if cached.new_block_ids[i]:
                 self.states.append_block_ids(idx, cached.new_block_ids[i])
 
@@ -43,26 +78,16 @@ class ModelRunnerV2(ModelRunnerBase):
         states = self.states
         # Decodes first: ascending scheduled token counts, as vLLM's V2 runner orders them.
         req_ids = sorted(so.num_scheduled_tokens, key=so.num_scheduled_tokens.__getitem__)
-        idx = [states.req_id_to_index[r] for r in req_ids]
-        query_lens_list = [so.num_scheduled_tokens[r] for r in req_ids]
-        idx_mapping = torch.tensor(idx, dtype=torch.int64, device=self.device)
-        query_lens = torch.tensor(query_lens_list, dtype=torch.int64, device=self.device)
-        prepared = prepare_inputs(
-            idx_mapping, query_lens, so.total_num_scheduled_tokens, states.all_token_ids,
-            states.num_computed_tokens, states.block_table,
-        )
-        computed = states.num_computed_tokens[idx_mapping].tolist()
-        sampling_pos = [
-            i for i, (c, q, row) in enumerate(zip(computed, query_lens_list, idx))
-            if c + q >= states.num_tokens[row]
-        ]
-        inputs = build_step_inputs(
-            prepared.input_ids, prepared.positions, prepared.req_indices, query_lens,
-            prepared.seq_lens, prepared.block_table, self.block_size,
-            torch.tensor(sampling_pos, dtype=torch.int64, device=self.device),
-        )
+        idx = np.array([states.req_id_to_index[r] for r in req_ids], dtype=np.int64)
+        query_lens = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        # A request samples once its scheduled tokens reach the end of everything it knows.
+        seq_lens = states.num_computed_tokens_np[idx] + query_lens
+        sampling_pos = np.nonzero(seq_lens >= states.num_tokens[idx])[0]
+        inputs = self._prepare_inputs(idx, query_lens, seq_lens, sampling_pos)
+        if self.cudagraphs is not None:
+            inputs = self.cudagraphs.pad(inputs)
+        sampling_idx = idx[sampling_pos].tolist()
         sampling_req_ids = [req_ids[i] for i in sampling_pos]
-        sampling_idx = [idx[i] for i in sampling_pos]
         rows = [
             SamplingRow(
                 params=states.sampling_params[i],
@@ -75,3 +100,31 @@ class ModelRunnerV2(ModelRunnerBase):
         if sampled:
             states.append_sampled(sampling_idx, sampled)
         return self.make_output(req_ids, dict(zip(sampling_req_ids, sampled)), logprobs, sampling_req_ids)
+
+    def _prepare_inputs(
+        self,
+        idx: np.ndarray,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        sampling_pos: np.ndarray,
+    ) -> StepInputs:
+        """The step's inputs: what the host knows from the scheduler output (batch rows, query
+        offsets, sampled positions) goes to the device in one copy, the rest is gathered there
+        from the state table. Nothing is read back."""
+        states = self.states
+        states.commit()
+        num_reqs = idx.shape[0]
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        logits_indices = query_start_loc[1:][sampling_pos] - 1
+        packed = to_device(np.concatenate([idx, query_start_loc, logits_indices]), self.device)
+        query_start_loc_dev = packed[num_reqs : 2 * num_reqs + 1].to(torch.int32)
+        num_tokens = int(query_start_loc[-1])
+        prepared = prepare_inputs(
+            packed[:num_reqs], query_start_loc_dev, num_tokens, states.all_token_ids,
+            states.num_computed_tokens, states.block_table, self.block_size,
+        )
+        return step_inputs_from_prepared(
+            prepared, query_start_loc_dev, int(query_lens.max()), int(seq_lens.max()),
+            packed[2 * num_reqs + 1 :],
+        )

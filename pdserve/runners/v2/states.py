@@ -1,27 +1,65 @@
-"""Runner V2's request-state table: one fixed row per live request, tensors indexed by row."""
+"""Runner V2's request-state table: one fixed row per live request, tensors indexed by row.
+
+The tables the input-prep kernel reads live on the device; the host keeps mirrors of the
+lengths it needs (which requests sample, how long each sequence is), so that preparing a step
+never reads the device. Host-to-device writes go through `copy_to_device` and `to_device`,
+which never wait for the GPU.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.output import NewRequestData
 
 
+def copy_to_device(dst: torch.Tensor, values: Sequence[int] | np.ndarray) -> None:
+    """dst[:] = values, without a host sync on CUDA."""
+    src = torch.as_tensor(values, dtype=dst.dtype)
+    if dst.is_cuda:
+        # Staged through a fresh pinned buffer, so the copy is asynchronous; the caching host
+        # allocator keeps the buffer until the copy has run, so the host may move on at once.
+        src = src.pin_memory()
+    dst.copy_(src, non_blocking=True)
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A device tensor of values, without a host sync on CUDA."""
+    if device.type != "cuda":
+        return torch.from_numpy(values)
+    return torch.from_numpy(values).pin_memory().to(device, non_blocking=True)
+
+
 class RequestStates:
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, device: torch.device
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_blocks_per_req: int,
+        device: torch.device,
     ) -> None:
         self.req_id_to_index: dict[str, int] = {}
         self.free_indices = list(range(max_num_reqs - 1, -1, -1))
-        self.all_token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int64, device=device)
-        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.all_token_ids = torch.zeros(
+            max_num_reqs, max_model_len, dtype=torch.int64, device=device
+        )
         self.block_table = torch.zeros(
             max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device
         )
         self.device = device
-        # Host-side mirrors: lengths the scheduler and sampler read without a device sync.
-        self.num_tokens = [0] * max_num_reqs
+        # Written on the host as the scheduler reports it, sent to the device once per step by
+        # commit() (the CPU device shares the host array, so nothing is sent).
+        self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)
+        if device.type == "cpu":
+            self.num_computed_tokens = torch.from_numpy(self.num_computed_tokens_np)
+        else:
+            self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        # Host-side only: lengths the runner reads without a device sync.
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_blocks = [0] * max_num_reqs
         self.prompt_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.output_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
@@ -32,13 +70,13 @@ class RequestStates:
         idx = self.free_indices.pop()
         self.req_id_to_index[new.req_id] = idx
         tokens = new.prefill_token_ids
-        self.all_token_ids[idx, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        copy_to_device(self.all_token_ids[idx, : len(tokens)], tokens)
         self.num_tokens[idx] = len(tokens)
         # prefill_token_ids = prompt + outputs so far, when re-added after preemption.
         self.prompt_token_ids[idx] = new.prompt_token_ids
         self.output_token_ids[idx] = list(tokens[len(new.prompt_token_ids) :])
         self.sampling_params[idx] = new.sampling_params
-        self.num_computed_tokens[idx] = new.num_computed_tokens
+        self.num_computed_tokens_np[idx] = new.num_computed_tokens
         self.num_blocks[idx] = 0
         self.append_block_ids(idx, new.block_ids)
 
@@ -50,13 +88,20 @@ class RequestStates:
 
     def append_block_ids(self, idx: int, block_ids: list[int]) -> None:
         start = self.num_blocks[idx]
-        self.block_table[idx, start : start + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        if block_ids:
+            copy_to_device(self.block_table[idx, start : start + len(block_ids)], block_ids)
         self.num_blocks[idx] = start + len(block_ids)
 
+    def commit(self) -> None:
+        """Send this step's num_computed_tokens to the device (before preparing inputs)."""
+        if self.num_computed_tokens.device.type != "cpu":
+            copy_to_device(self.num_computed_tokens, self.num_computed_tokens_np)
+
     def append_sampled(self, idx: list[int], token_ids: list[int]) -> None:
-        rows = torch.tensor(idx, dtype=torch.int64, device=self.device)
-        cols = torch.tensor([self.num_tokens[i] for i in idx], dtype=torch.int64, device=self.device)
-        self.all_token_ids[rows, cols] = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        rows = np.asarray(idx, dtype=np.int64)
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        packed = to_device(np.stack([rows, self.num_tokens[rows], tokens]), self.device)
+        self.all_token_ids[packed[0], packed[1]] = packed[2]
+        self.num_tokens[rows] += 1
         for i, t in zip(idx, token_ids):
-            self.num_tokens[i] += 1
             self.output_token_ids[i].append(t)

@@ -7,70 +7,15 @@ import math
 import pytest
 import torch
 
-from pdserve.runners.sampler import (
-    Sampler,
-    SamplingMetadata,
-    apply_top_k_top_p,
-    process_logits,
-)
+from pdserve.kernels import sampling
+from pdserve.kernels.sampling import apply_top_k_top_p, process_logits_torch
+from pdserve.runners.sampler import Sampler
 from pdserve.sampling_params import SamplingParams
+from tests.utils.sampling import chi_square_p_value, make_md, reference_probs
 
 # Deliberately unsorted, so that masks computed on sorted values must map back correctly.
 LOGITS = torch.tensor([0.7, -1.0, 2.0, 0.3, 1.2, -2.0, 1.5, 0.0, -0.5, 1.0, -1.5, 0.5])
 NUM_DRAWS = 20_000
-
-
-def make_md(
-    params: list[SamplingParams],
-    output_token_ids: list[list[int]] | None = None,
-    prompt_token_ids: list[list[int]] | None = None,
-    eos_token_ids: list[int | None] | None = None,
-    logits_processors=None,
-) -> SamplingMetadata:
-    n = len(params)
-    return SamplingMetadata.from_params(
-        params,
-        output_token_ids if output_token_ids is not None else [[] for _ in range(n)],
-        prompt_token_ids if prompt_token_ids is not None else [[] for _ in range(n)],
-        eos_token_ids if eos_token_ids is not None else [None] * n,
-        "cpu",
-        logits_processors,
-    )
-
-
-def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The target distribution in float64, one step at a time, written independently."""
-    probs = torch.softmax(logits.double() / p.temperature, dim=-1)
-    probs = torch.where(probs < p.min_p * probs.max(), 0.0, probs)
-    probs /= probs.sum()
-    if p.top_k > 0:
-        kth = probs.sort(descending=True).values[p.top_k - 1]
-        probs = torch.where(probs < kth, 0.0, probs)
-        probs /= probs.sum()
-    if p.top_p < 1.0:
-        order = probs.argsort(descending=True)
-        kept, total = [], 0.0
-        for i in order.tolist():
-            kept.append(i)
-            total += probs[i].item()
-            if total >= p.top_p:
-                break
-        mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[kept] = True
-        probs = torch.where(mask, probs, 0.0)
-        probs /= probs.sum()
-    return probs
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test over the tokens with non-zero probability; survival function of the
-    chi-square distribution through the regularized upper incomplete gamma function."""
-    support = probs > 0
-    expected = probs[support] * counts.sum()
-    assert expected.min() >= 5, "too few draws for the chi-square approximation"
-    stat = ((counts[support].double() - expected) ** 2 / expected).sum()
-    dof = int(support.sum()) - 1
-    return torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0).item()
 
 
 def test_chi_square_helper_rejects_a_wrong_distribution():
@@ -83,13 +28,13 @@ def test_greedy_is_argmax():
     torch.manual_seed(0)
     logits = torch.randn(16, 1000)
     params = [SamplingParams(temperature=0.0, top_k=3, top_p=0.5, seed=7)] * 16
-    out = Sampler()(logits, make_md(params))
+    out = Sampler(use_kernels=False)(logits, make_md(params))
     assert out.sampled_token_ids.dtype == torch.int64
     assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
     assert out.logprobs is None
     # bf16 logits: the argmax of their float32 values.
     bf16 = logits.bfloat16()
-    out = Sampler()(bf16, make_md(params))
+    out = Sampler(use_kernels=False)(bf16, make_md(params))
     assert torch.equal(out.sampled_token_ids, bf16.float().argmax(dim=-1))
 
 
@@ -100,7 +45,7 @@ def test_mixed_batch_greedy_rows_take_argmax():
     md = make_md(params)
     assert not md.all_greedy and not md.all_random
     for _ in range(5):
-        sampled = Sampler()(logits, md).sampled_token_ids
+        sampled = Sampler(use_kernels=False)(logits, md).sampled_token_ids
         assert torch.equal(sampled[1::2], logits[1::2].argmax(dim=-1))
 
 
@@ -119,7 +64,7 @@ def test_sampled_frequencies_match_processed_softmax():
     num_configs = len(CONFIGS)
     params = CONFIGS * NUM_DRAWS
     logits = LOGITS.expand(len(params), -1)
-    sampled = Sampler()(logits, make_md(params)).sampled_token_ids
+    sampled = Sampler(use_kernels=False)(logits, make_md(params)).sampled_token_ids
     vocab_size = LOGITS.numel()
     for c, p in enumerate(CONFIGS):
         counts = torch.bincount(sampled[c::num_configs], minlength=vocab_size)
@@ -136,7 +81,7 @@ def test_seeded_draws_follow_the_distribution():
     n = 5000
     md = make_md([p] * n)
     md.output_positions = list(range(n))  # one request, n consecutive steps
-    sampled = Sampler()(LOGITS.expand(n, -1), md).sampled_token_ids
+    sampled = Sampler(use_kernels=False)(LOGITS.expand(n, -1), md).sampled_token_ids
     counts = torch.bincount(sampled, minlength=LOGITS.numel())
     probs = reference_probs(LOGITS, p)
     assert counts[probs == 0].sum() == 0
@@ -184,7 +129,7 @@ def test_penalties_exact_values():
     prompts = [[0, 1], [0, 1, 2], [1, 6]]
     outputs = [[2, 2, 3, 0], [3, 3], [3]]
     md = make_md(params, output_token_ids=outputs, prompt_token_ids=prompts)
-    processed = process_logits(logits, md, owned=False)
+    processed = process_logits_torch(logits, md)
     expected = logits.clone()
     # Row 0. Token 0: prompt and output once; 1: prompt only; 2: output twice; 3: output once.
     expected[0, 0] = 1.0 / 2 - 0.5 * 1 - 0.25
@@ -204,7 +149,7 @@ def test_penalties_change_the_greedy_choice():
     md = make_md(
         [SamplingParams(temperature=0.0, presence_penalty=0.5)], output_token_ids=[[1]]
     )
-    assert Sampler()(logits, md).sampled_token_ids.tolist() == [2]
+    assert Sampler(use_kernels=False)(logits, md).sampled_token_ids.tolist() == [2]
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
@@ -215,18 +160,18 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     for generated, expected in [(0, 2), (2, 2), (3, eos)]:
         md = make_md([p], output_token_ids=[[1] * generated], eos_token_ids=[eos])
         assert md.min_tokens_blocked == ({0: [stop, eos]} if generated < 3 else {})
-        assert Sampler()(logits, md).sampled_token_ids.tolist() == [expected]
+        assert Sampler(use_kernels=False)(logits, md).sampled_token_ids.tolist() == [expected]
     # Several EOS ids per row are all blocked.
     md = make_md([p], output_token_ids=[[]], eos_token_ids=[[eos, 2]])
     assert md.min_tokens_blocked == {0: [stop, eos, 2]}
-    assert Sampler()(logits, md).sampled_token_ids.tolist() == [0]
+    assert Sampler(use_kernels=False)(logits, md).sampled_token_ids.tolist() == [0]
     # A random row never samples a blocked token either; other rows are not affected.
     torch.manual_seed(0)
     random_p = SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=[stop])
     params = [random_p, SamplingParams(temperature=1.0)] * 500
     outputs = [[] for _ in params]
     md = make_md(params, output_token_ids=outputs, eos_token_ids=[eos] * len(params))
-    sampled = Sampler()(logits.expand(len(params), -1), md).sampled_token_ids
+    sampled = Sampler(use_kernels=False)(logits.expand(len(params), -1), md).sampled_token_ids
     assert not torch.isin(sampled[0::2], torch.tensor([eos, stop])).any()
     assert (sampled[1::2] == eos).float().mean() > 0.5
 
@@ -243,7 +188,7 @@ def test_logprobs_are_raw_with_sampled_token_first():
     ]
     md = make_md(params, output_token_ids=[[1], [2, 3], [], [4]], prompt_token_ids=[[0]] * 4)
     assert md.max_num_logprobs == 5
-    out = Sampler()(logits, md)
+    out = Sampler(use_kernels=False)(logits, md)
     lp = out.logprobs
     assert lp is not None
     assert [len(row) for row in lp.logprob_token_ids] == [6] * 4
@@ -261,7 +206,7 @@ def test_logprobs_are_raw_with_sampled_token_first():
 
 def test_logprobs_zero_gives_only_the_sampled_token():
     logits = torch.tensor([[0.0, 1.0, 2.0]])
-    out = Sampler()(logits, make_md([SamplingParams(temperature=0.0, logprobs=0)]))
+    out = Sampler(use_kernels=False)(logits, make_md([SamplingParams(temperature=0.0, logprobs=0)]))
     assert out.logprobs.logprob_token_ids == [[2]]
     assert out.logprobs.sampled_token_ranks == [1]
 
@@ -281,7 +226,8 @@ def _seeded_steps(seed: int, position: int, logits_row: torch.Tensor, row: int, 
     params[row] = SamplingParams(temperature=1.0, seed=seed)
     outputs[row] = [0] * position
     torch.manual_seed(position * 7 + row)  # the default generator differs every call
-    return Sampler()(logits, make_md(params, output_token_ids=outputs)).sampled_token_ids[row]
+    md = make_md(params, output_token_ids=outputs)
+    return Sampler(use_kernels=False)(logits, md).sampled_token_ids[row]
 
 
 def test_seeded_row_is_independent_of_batch_position_and_company():
@@ -296,6 +242,23 @@ def test_seeded_row_is_independent_of_batch_position_and_company():
     assert len(set(alone)) > 6
     other_seed = [int(_seeded_steps(43, pos, logits_row, 0, 1)) for pos in positions]
     assert other_seed != alone
+
+
+def test_only_the_kernel_sampler_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runner V1's Sampler(use_kernels=False) stays on the torch reference even when the
+    kernel backend is forced to Triton; runner V2's dispatches."""
+    monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "triton")
+
+    def dispatched(*args: object) -> None:
+        raise RuntimeError("dispatched to Triton")
+
+    monkeypatch.setattr(sampling, "sample_tokens_triton", dispatched)
+    monkeypatch.setattr(sampling, "topk_logprobs_triton", dispatched)
+    md = make_md([SamplingParams(temperature=1.0, logprobs=2)])
+    out = Sampler(use_kernels=False)(LOGITS[None], md)
+    assert out.logprobs.logprob_token_ids[0][0] == out.sampled_token_ids[0]
+    with pytest.raises(RuntimeError, match="dispatched to Triton"):
+        Sampler(use_kernels=True)(LOGITS[None], md)
 
 
 def test_logits_processors_are_applied_per_row():
@@ -313,7 +276,7 @@ def test_logits_processors_are_applied_per_row():
     params = [SamplingParams(temperature=0.0)] * 3
     outputs = [[4, 4], [1], [1, 2, 3]]
     md = make_md(params, output_token_ids=outputs, logits_processors=[[ban_top], [], [boost]])
-    sampled = Sampler()(logits, md).sampled_token_ids.tolist()
+    sampled = Sampler(use_kernels=False)(logits, md).sampled_token_ids.tolist()
     assert sampled == [3, 2, 3]
     assert calls == [[4, 4]]
     assert logits[0, 2] == 5.0, "the caller's logits must not be mutated"
@@ -352,9 +315,9 @@ def test_large_batch_runs_all_knobs():
     outputs = [[(i * 7 + j) % vocab_size for j in range(50)] for i in range(batch)]
     prompts = [[(i * 13 + j) % vocab_size for j in range(200)] for i in range(batch)]
     md = make_md(params, output_token_ids=outputs, prompt_token_ids=prompts)
-    out = Sampler()(logits, md)
+    out = Sampler(use_kernels=False)(logits, md)
     sampled = out.sampled_token_ids
     assert sampled.shape == (batch,) and bool(((sampled >= 0) & (sampled < vocab_size)).all())
-    processed = process_logits(logits, md, owned=False)
+    processed = process_logits_torch(logits, md)
     assert torch.equal(sampled[0::4], processed[0::4].argmax(dim=-1))
     assert all(math.isfinite(v) for row in out.logprobs.logprobs for v in row)

@@ -1,0 +1,314 @@
+"""Triton paged attention over a mixed batch: prefill chunks and decodes in one launch.
+
+Grid (query block, kv head, kv split). A query block is BLOCK_Q consecutive query tokens of one
+request times the GROUP query heads that share one KV head, so every K/V tile is loaded once per
+GQA group. A tile holds BLOCK_N keys gathered through the block table (one tile may span several
+cache blocks, or part of one). Softmax is online, in fp32, in the exp2 domain.
+
+Split-K (flash decoding): with NUM_SPLITS > 1 each program covers one contiguous share of its
+request's KV tiles and stores an unnormalized partial (acc, max, sum); a second kernel combines
+the shares. Decode batches use it when (request, kv head) programs alone leave the GPU idle.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from pdserve.kernels.attention import AttentionMetadata
+
+# Each split gets at least this many tiles, so that its partial write stays small next to its
+# KV reads; and there are at most this many splits.
+_MIN_TILES_PER_SPLIT = 4
+_MAX_SPLITS = 32
+# Aim for this many programs per SM, so that the last wave is a small share of the work.
+_PROGRAMS_PER_SM = 4
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+    # Request r's query blocks start at program query_start_loc[r] // BLOCK_Q (+ r when a block
+    # holds several tokens, since a request's last block may be partial): the owner of program
+    # pid is the last request starting at or before it.
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q
+        if BLOCK_Q > 1:
+            start += mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    query_ptr,
+    cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    num_reqs,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = _find_request(query_start_loc_ptr, num_reqs, pid_q, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block = pid_q - q_start // BLOCK_Q
+    if BLOCK_Q > 1:
+        q_block -= req
+    if q_block * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len
+
+    # Row m is query token m // GROUP_PAD of the block, head m % GROUP_PAD of the group; rows
+    # past BLOCK_Q tokens only pad a decode block up to the 16 rows tl.dot needs.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_local = q_block * BLOCK_Q + offs_m // GROUP_PAD
+    head = kv_head * GROUP + offs_m % GROUP_PAD
+    row_valid = (
+        (offs_m // GROUP_PAD < BLOCK_Q) & (q_local < query_len) & (offs_m % GROUP_PAD < GROUP)
+    )
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    token = q_start + q_local
+    q_ptrs = query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(
+        q_ptrs + offs_d[None, :] * stride_qd, mask=row_valid[:, None] & d_valid[None, :], other=0.0
+    )
+    # Products run in the cache's dtype with fp32 accumulation (in fp32 under the interpreter).
+    q = q.to(DOT_DTYPE)
+
+    # Causal: a row sees keys up to its own position; the block's last token bounds the keys.
+    q_pos = context_len + q_local
+    kv_len = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    # A finite floor, so that a row with every key of this split masked gives p = 0, not NaN.
+    m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = block_table_ptr + req * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_len
+        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        slot = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k = tl.load(
+            cache_ptr + slot[None, :] + offs_d[:, None] * stride_cd,
+            mask=n_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            cache_ptr + stride_ckv + slot[:, None] + offs_d[None, :] * stride_cd,
+            mask=n_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = row_valid[:, None] & d_valid[None, :]
+    # Out is contiguous [num_tokens, num_heads, HEAD_DIM], partials [.., NUM_SPLITS(, HEAD_DIM)].
+    out_row = token * tl.num_programs(1) * GROUP + head
+    if NUM_SPLITS == 1:
+        out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
+    else:
+        row = out_row * NUM_SPLITS + split
+        tl.store(part_max_ptr + row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + row, l_i, mask=row_valid)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per (token, kv head), like the attention kernel: [GROUP_PAD, BLOCK_S, BLOCK_D].
+    # Padding rows past GROUP repeat the group's last head, so that all they load is defined.
+    token = tl.program_id(0)
+    offs_g = tl.arange(0, GROUP_PAD)
+    head = tl.program_id(1) * GROUP + tl.minimum(offs_g, GROUP - 1)
+    out_row = token * tl.num_programs(1) * GROUP + head
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_valid = offs_s < NUM_SPLITS
+    d_valid = offs_d < HEAD_DIM
+    row = out_row[:, None] * NUM_SPLITS + offs_s[None, :]
+    m = tl.load(part_max_ptr + row, mask=s_valid[None, :], other=float("-inf"))
+    l = tl.load(part_sum_ptr + row, mask=s_valid[None, :], other=0.0)
+    acc = tl.load(
+        part_out_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+        mask=s_valid[None, :, None] & d_valid[None, None, :],
+        other=0.0,
+    )
+    # The first split holds key 0, visible to every query: the max is a real score, the sum > 0.
+    weight = tl.exp2(m - tl.max(m, 1)[:, None])
+    out = tl.sum(acc * weight[:, :, None], 1) / tl.sum(l * weight, 1)[:, None]
+    tl.store(
+        out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(offs_g[:, None] < GROUP) & d_valid[None, :],
+    )
+
+
+# tl.dot on 16-bit inputs is wrong in the interpreter (triton#11584), so it multiplies in fp32
+# there. The jit decorator picked the interpreter or the compiler from this same knob.
+_INTERPRET = bool(triton.knobs.runtime.interpret)
+_DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def num_splits_heuristic(
+    num_programs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    block_q: int,
+    block_n: int,
+    num_sms: int,
+) -> int:
+    """KV splits per (query block, kv head): enough programs to fill num_sms SMs a few times
+    over, each split still long enough to amortize its partial write. Prefill blocks are many
+    and long already, so only decode-sized query blocks are split."""
+    if max_query_len > block_q:
+        return 1
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_programs)
+    affordable = triton.cdiv(max_seq_len, block_n) // _MIN_TILES_PER_SPLIT
+    return max(1, min(wanted, affordable, _MAX_SPLITS))
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache
+    (Triton); num_splits overrides the split-K heuristic."""
+    num_tokens = md.num_actual_tokens
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    if md.num_reqs == 0 or num_tokens == 0:
+        return out
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # tl.dot needs at least 16 rows: decode blocks hold one token, prefill blocks fill 64 rows.
+    block_q = 1 if md.max_query_len == 1 else max(1, 64 // group_pad)
+    block_m = max(16, block_q * group_pad)
+    block_n = 64 if head_dim <= 128 else 32
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_q_blocks = num_tokens // block_q + (md.num_reqs if block_q > 1 else 0)
+    if num_splits is None:
+        num_sms = (
+            torch.cuda.get_device_properties(query.device).multi_processor_count
+            if query.device.type == "cuda"
+            else 1  # the interpreter runs programs one after another: splits only add work
+        )
+        num_splits = num_splits_heuristic(
+            num_q_blocks * num_kv_heads, md.max_query_len, md.max_seq_len, block_q, block_n, num_sms
+        )
+    if num_splits > 1:
+        part_out = query.new_empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32)
+        part_max = query.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = out  # unused by the kernel
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        query,
+        kv_cache,
+        md.block_table,
+        md.query_start_loc,
+        md.seq_lens,
+        scale * _LOG2E,
+        md.num_reqs,
+        *query.stride(),
+        *kv_cache.stride(),
+        md.block_table.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=kv_cache.shape[2],
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        DOT_DTYPE=tl.float32 if _INTERPRET else _DOT_DTYPES[kv_cache.dtype],
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=3,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_kv_heads)](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            HEAD_DIM=head_dim,
+            GROUP=group,
+            GROUP_PAD=group_pad,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+        )
+    return out
