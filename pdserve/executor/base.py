@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any, Callable
 
 from pdserve.config import EngineConfig
+from pdserve.executor.worker import Worker
 from pdserve.outputs import ModelRunnerOutput
 from pdserve.scheduler.output import SchedulerOutput
+
+
+def worker_class(config: EngineConfig) -> type[Worker]:
+    """The class named by `parallel_config.worker_cls`."""
+    module_name, _, class_name = config.parallel_config.worker_cls.partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Worker)):
+        raise ValueError(f"worker_cls {config.parallel_config.worker_cls!r} is not a Worker subclass.")
+    return cls
 
 
 class Executor(ABC):

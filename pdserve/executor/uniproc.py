@@ -6,14 +6,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.executor.base import Executor
+from pdserve.executor.base import Executor, worker_class
 from pdserve.executor.worker import Worker
 
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.worker: Worker | None = Worker(config, rank=0)
+        self.worker: Worker | None = worker_class(config)(config, rank=0)
         self.worker.load_model()
 
     def collective_rpc(

@@ -15,6 +15,7 @@ import msgspec
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.executor.base import worker_class
 from pdserve.executor.message_queue import MessageQueue, MessageQueueHandle
 from pdserve.executor.rpc import decode_args, decode_call, encode_reply
 from pdserve.executor.worker import Worker
@@ -63,7 +64,7 @@ def worker_main(
         par = config.parallel_config
         # The ranks of this node share its cores; more threads than cores only thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.world_size))
-        worker = Worker(config, rank=rank, local_rank=local_rank,
+        worker = worker_class(config)(config, rank=rank, local_rank=local_rank,
                         distributed_init_method=distributed_init_method)
         worker.init_distributed()
         worker.load_model()
@@ -95,7 +96,7 @@ def _busy_loop(worker: Worker, rank: int, broadcast: MessageQueue, response: Mes
             logger.exception("Rank %d dropped a message it could not decode", rank)
             continue
         try:
-            args, kwargs = decode_args(Worker, call)
+            args, kwargs = decode_args(type(worker), call)
             result, ok = getattr(worker, call.method)(*args, **kwargs), True
         except Exception as e:
             logger.exception("Rank %d failed in %s", rank, call.method)
