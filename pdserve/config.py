@@ -177,9 +177,14 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     prefill_context_parallel_size: int = 1
     enable_dbo: bool = False
+    # "module:Class" of the worker each rank runs (vLLM's worker_cls): an extension point, and
+    # how benchmarks swap in a model-free worker.
+    worker_cls: str = "pdserve.executor.worker:Worker"
 
     def __post_init__(self) -> None:
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if ":" not in self.worker_cls:
+            raise ValueError(f"worker_cls must be 'module:Class', got {self.worker_cls!r}.")
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive("prefill_context_parallel_size", self.prefill_context_parallel_size)
         _check_choice(
