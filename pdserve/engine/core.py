@@ -1,14 +1,22 @@
-"""EngineCore: the step loop that ties scheduler and executor together."""
+"""EngineCore: the step loop that ties scheduler and executor together.
+
+With `max_concurrent_batches` > 1 (async scheduling, or pipeline stages) steps go through a
+batch queue: the engine schedules and submits steps while the workers compute earlier ones,
+and processes each step's output in submission order (vLLM's `step_with_batch_queue`).
+"""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from concurrent.futures import Future
 from typing import Iterable
 
 from pdserve.config import EngineConfig
 from pdserve.executor.base import Executor
-from pdserve.outputs import EngineCoreOutput
+from pdserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.request import Request, RequestStatus
+from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -31,6 +39,9 @@ class EngineCore:
             self.num_blocks,
             config.use_v2_model_runner,
         )
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        # Steps submitted and not yet processed, newest first.
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
 
     def add_request(self, request: Request) -> None:
         max_model_len = self.config.model_config.max_model_len
@@ -51,13 +62,42 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def _has_work(self) -> bool:
         # A step also runs to tell the workers which requests finished since the last one.
-        if not (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()):
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if self.batch_queue_size > 1:
+            return self.step_with_batch_queue()
+        if not self._has_work():
             return []
         scheduler_output = self.scheduler.schedule()
         model_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Submit a step; process the oldest only once the queue is full, nothing more can be
+        scheduled, or it is already done (then waiting gains nothing).
+
+        Returns [] while steps are only submitted: the caller steps again.
+        """
+        queue = self.batch_queue
+        if self._has_work():
+            scheduler_output = self.scheduler.schedule()
+            future = self.executor.execute_model(scheduler_output, non_block=True)
+            assert isinstance(future, Future)
+            queue.appendleft((future, scheduler_output))
+            if (
+                scheduler_output.total_num_scheduled_tokens > 0
+                and len(queue) < self.batch_queue_size
+                and not queue[-1][0].done()
+            ):
+                return []
+        elif not queue:
+            return []
+        future, scheduler_output = queue.pop()
+        return self.scheduler.update_from_output(scheduler_output, future.result())
+
     def shutdown(self) -> None:
+        self.batch_queue.clear()
         self.executor.shutdown()

@@ -39,6 +39,10 @@ class Executor(ABC):
             from pdserve.executor.multiproc import MultiprocExecutor
 
             return MultiprocExecutor
+        if backend == "ray":
+            from pdserve.executor.ray_executor import RayExecutor
+
+            return RayExecutor
         raise ValueError(f"distributed_executor_backend={backend!r} is not implemented yet.")
 
     @abstractmethod

@@ -24,7 +24,7 @@ from pdserve.executor.zmq_utils import bind_socket, make_ipc_address
 _HEADER = struct.Struct("<q")  # payload length; -1 = the payload went over the overflow socket
 _OVERFLOW = -1
 _SPIN_SECONDS = 0.05
-_POLL_MS = 100
+_POLL_MS = 1000  # only a safety net: readers are woken by the notify socket
 
 
 class MessageQueueHandle(msgspec.Struct, array_like=True):

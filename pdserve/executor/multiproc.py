@@ -24,7 +24,7 @@ import msgspec
 from pdserve.config import EngineConfig
 from pdserve.executor.base import Executor
 from pdserve.executor.message_queue import MessageQueue, MessageQueueHandle
-from pdserve.executor.rpc import check_method, decode_reply, decode_result, encode_call
+from pdserve.executor.rpc import check_method, decode_reply, decode_results, encode_call
 from pdserve.executor.worker import Worker
 from pdserve.executor.worker_proc import READY, worker_main
 from pdserve.utils import get_open_port
@@ -148,14 +148,7 @@ class MultiprocExecutor(Executor):
                 # Every rank's reply is read before any error is raised: a reply left in a
                 # queue would be taken as the answer to the next call.
                 replies = [(rank, decode_reply(self._dequeue(self.workers[rank]))) for rank in call.ranks]
-                results = []
-                for rank, reply in replies:
-                    if not reply.ok:
-                        raise RuntimeError(
-                            f"Worker rank {rank} failed in {call.method}: "
-                            f"{msgspec.msgpack.decode(bytes(reply.result))}"
-                        )
-                    results.append(decode_result(Worker, call.method, reply))
+                results = decode_results(Worker, call.method, replies)
                 call.future.set_result(results[0] if call.single else results)
             except Exception as e:
                 call.future.set_exception(e)

@@ -95,3 +95,13 @@ def decode_args(cls: type, call: RPCCall) -> tuple[tuple[Any, ...], dict[str, An
 
 def decode_result(cls: type, method: str, reply: RPCReply) -> Any:
     return _result_decoder(cls, method).decode(bytes(reply.result))
+
+
+def decode_results(cls: type, method: str, replies: list[tuple[int, RPCReply]]) -> list[Any]:
+    """The results of (rank, reply) pairs; a RuntimeError naming the first rank that failed."""
+    for rank, reply in replies:
+        if not reply.ok:
+            raise RuntimeError(
+                f"Worker rank {rank} failed in {method}: {msgspec.msgpack.decode(bytes(reply.result))}"
+            )
+    return [decode_result(cls, method, reply) for _, reply in replies]

@@ -40,7 +40,7 @@ class Worker:
         self.model_runner: ModelRunnerBase = runner_cls(config, self.device)
 
     def init_distributed(self) -> None:
-        """Join the world and build this rank's tensor-parallel group (PP groups: stage-major)."""
+        """Join the world; set this rank's tensor-parallel group and pipeline (stage-major)."""
         par = self.config.parallel_config
         if par.world_size == 1:
             return
@@ -59,6 +59,11 @@ class Worker:
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 parallel_state.init_tensor_model_parallel(group)
+        if par.pipeline_parallel_size > 1:
+            # Stages talk point to point, so a pipeline needs its ranks but no group of its own.
+            parallel_state.init_pipeline_model_parallel(
+                range(self.rank % tp, par.world_size, tp), self.rank
+            )
 
     def load_model(self) -> None:
         torch.manual_seed(self.config.model_config.seed)
@@ -89,6 +94,6 @@ class Worker:
         return None
 
     def shutdown(self) -> None:
-        parallel_state.destroy_tensor_model_parallel()
+        parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()

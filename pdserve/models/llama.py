@@ -2,37 +2,34 @@
 
 Mistral is Llama; Qwen2 adds a bias to q, k and v (not o); Qwen3 normalizes q and k per head
 before the rotary embedding. The MoE models (qwen2_moe, mixtral) subclass LlamaForCausalLM and
-swap the MLP.
+swap the MLP. Under pipeline parallelism each stage builds its own layers; the first stage
+also embeds, the last also normalizes and computes the logits.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import ClassVar
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pdserve.distributed.parallel_state import IntermediateTensors, is_first_stage, is_last_stage
 from pdserve.kernels.attention import AttentionMetadata
 from pdserve.models.layers.activation import SiluAndMul, check_gated_act
 from pdserve.models.layers.attention import Attention
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
+    MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
 )
-from pdserve.models.layers.rotary_embedding import (
-    RotaryEmbedding,
-    get_rope,
-    get_rope_parameters,
-)
+from pdserve.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from pdserve.models.utils import load_checkpoint_weights
-
-logger = logging.getLogger(__name__)
+from pdserve.models.utils import (
+    PPMissingLayer, empty_intermediate_tensors, load_checkpoint_weights, make_layers,
+    warn_sliding_window,
+)
 
 
 class LlamaMLP(nn.Module):
@@ -153,12 +150,18 @@ class LlamaModel(nn.Module):
         params_dtype: torch.dtype,
         make_attention: Callable[[RotaryEmbedding], nn.Module],
         make_mlp: Callable[[int], nn.Module],
+        tie_word_embeddings: bool,
     ) -> None:
         super().__init__()
-        _warn_sliding_window(hf_config)
-        self.embed_tokens = VocabParallelEmbedding(
-            hf_config.vocab_size, hf_config.hidden_size, params_dtype
-        )
+        warn_sliding_window(hf_config)
+        self.is_first_stage, self.is_last_stage = is_first_stage(), is_last_stage()
+        # A tied head is the embedding, so the last stage holds it too.
+        if self.is_first_stage or (tie_word_embeddings and self.is_last_stage):
+            self.embed_tokens = VocabParallelEmbedding(
+                hf_config.vocab_size, hf_config.hidden_size, params_dtype
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
         # One table for all layers, as HF's model-level rotary_emb.
         self.rotary_emb = get_rope(
             _head_dim(hf_config),
@@ -166,11 +169,17 @@ class LlamaModel(nn.Module):
             getattr(hf_config, "max_position_embeddings", None) or 2048,
             params_dtype,
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(make_attention(self.rotary_emb), make_mlp(i), hf_config, params_dtype)
-            for i in range(hf_config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            hf_config.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(
+                make_attention(self.rotary_emb), make_mlp(i), hf_config, params_dtype
+            ),
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype)
+        self.norm = (
+            RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype)
+            if self.is_last_stage
+            else PPMissingLayer()
+        )
 
     def forward(
         self,
@@ -178,29 +187,25 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The final hidden states on the last stage; the residual stream, left unsummed, on
+        the others. `kv_caches` holds this stage's layers only."""
+        if self.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate_tensors is not None, "a later stage continues the previous one"
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        layers = islice(self.layers, self.start_layer, self.end_layer)
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, attn_metadata
             )
-        assert residual is not None, "a model has at least one layer"
+        assert residual is not None, "a stage has at least one layer"
+        if not self.is_last_stage:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         return self.norm(hidden_states, residual)[0]
-
-
-def _warn_sliding_window(hf_config: PretrainedConfig) -> None:
-    # Qwen configs carry a window they only use when use_sliding_window is set.
-    if not getattr(hf_config, "use_sliding_window", True):
-        return
-    window = getattr(hf_config, "sliding_window", None)
-    if window and window < hf_config.max_position_embeddings:
-        logger.warning(
-            "The model uses sliding-window attention (window %d); pdserve attends to the whole "
-            "context, so outputs differ from the reference past %d tokens.",
-            window,
-            window,
-        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -219,9 +224,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.params_dtype = dtype
-        self.model = LlamaModel(hf_config, dtype, self._make_attention, self._make_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        self.model = LlamaModel(
+            hf_config, dtype, self._make_attention, self._make_mlp, self.tie_word_embeddings
+        )
+        if not is_last_stage():
+            self.lm_head = PPMissingLayer()
+        elif self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
@@ -253,8 +262,17 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
+
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        """Buffers for what the previous stage sends this one."""
+        return empty_intermediate_tensors(
+            ("hidden_states", "residual"), num_tokens, self.config.hidden_size, dtype, device
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

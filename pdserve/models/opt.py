@@ -1,9 +1,11 @@
 """OPT: learned positions (offset 2), LayerNorm before or after each block, ReLU MLP, and an
-optional projection between the embedding width and the hidden width (opt-350m)."""
+optional projection between the embedding width and the hidden width (opt-350m). Under pipeline
+parallelism the first stage embeds (and projects in), the last normalizes (and projects out)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import islice
 from typing import ClassVar
 
 import torch
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from pdserve.distributed.parallel_state import IntermediateTensors, is_first_stage, is_last_stage
 from pdserve.kernels.attention import AttentionMetadata
 from pdserve.models.layers.activation import get_act_fn
 from pdserve.models.layers.attention import Attention
@@ -22,7 +25,9 @@ from pdserve.models.layers.linear import (
     RowParallelLinear,
 )
 from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from pdserve.models.utils import load_checkpoint_weights
+from pdserve.models.utils import (
+    PPMissingLayer, empty_intermediate_tensors, load_checkpoint_weights, make_layers,
+)
 
 # OPT's checkpoints index positions from 2 (rows 0 and 1 were reserved by fairseq).
 _POSITION_OFFSET = 2
@@ -103,35 +108,56 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, hf_config: PretrainedConfig, params_dtype: torch.dtype) -> None:
+    """Modules another pipeline stage holds are `PPMissingLayer`s; those the model lacks, None."""
+
+    def __init__(
+        self, hf_config: PretrainedConfig, params_dtype: torch.dtype, tie_word_embeddings: bool
+    ) -> None:
         super().__init__()
         hidden_size = hf_config.hidden_size
         proj_dim = hf_config.word_embed_proj_dim
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, proj_dim, params_dtype)
-        self.embed_positions = OPTLearnedPositionalEmbedding(
-            hf_config.max_position_embeddings, hidden_size, params_dtype
+        first, last = is_first_stage(), is_last_stage()
+        self.is_first_stage, self.is_last_stage = first, last
+        # A tied head is the embedding, so the last stage holds it too.
+        self.embed_tokens = (
+            VocabParallelEmbedding(hf_config.vocab_size, proj_dim, params_dtype)
+            if first or (tie_word_embeddings and last)
+            else PPMissingLayer()
         )
-        projected = proj_dim != hidden_size
-        self.project_in = (
-            ReplicatedLinear(proj_dim, hidden_size, False, params_dtype) if projected else None
-        )
-        self.project_out = (
-            ReplicatedLinear(hidden_size, proj_dim, False, params_dtype) if projected else None
-        )
-        has_final_norm = hf_config.do_layer_norm_before and not getattr(
-            hf_config, "_remove_final_layer_norm", False
-        )
-        self.final_layer_norm = (
-            LayerNorm(
-                hidden_size,
-                elementwise_affine=hf_config.layer_norm_elementwise_affine,
-                dtype=params_dtype,
+        self.embed_positions = (
+            OPTLearnedPositionalEmbedding(
+                hf_config.max_position_embeddings, hidden_size, params_dtype
             )
-            if has_final_norm
-            else None
+            if first
+            else PPMissingLayer()
         )
-        self.layers = nn.ModuleList(
-            OPTDecoderLayer(hf_config, params_dtype) for _ in range(hf_config.num_hidden_layers)
+        self.project_in = self.project_out = None
+        if proj_dim != hidden_size:
+            self.project_in = (
+                ReplicatedLinear(proj_dim, hidden_size, False, params_dtype)
+                if first
+                else PPMissingLayer()
+            )
+            self.project_out = (
+                ReplicatedLinear(hidden_size, proj_dim, False, params_dtype)
+                if last
+                else PPMissingLayer()
+            )
+        self.final_layer_norm = None
+        if hf_config.do_layer_norm_before and not getattr(
+            hf_config, "_remove_final_layer_norm", False
+        ):
+            self.final_layer_norm = (
+                LayerNorm(
+                    hidden_size,
+                    elementwise_affine=hf_config.layer_norm_elementwise_affine,
+                    dtype=params_dtype,
+                )
+                if last
+                else PPMissingLayer()
+            )
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            hf_config.num_hidden_layers, lambda i: OPTDecoderLayer(hf_config, params_dtype)
         )
 
     def forward(
@@ -140,22 +166,32 @@ class OPTDecoder(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        if self.project_in is not None:
-            hidden_states = self.project_in(hidden_states)
-        hidden_states = hidden_states + self.embed_positions(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            hidden_states = self.embed_tokens(input_ids)
+            if self.project_in is not None:
+                hidden_states = self.project_in(hidden_states)
+            hidden_states = hidden_states + self.embed_positions(positions)
+        else:
+            assert intermediate_tensors is not None, "a later stage continues the previous one"
+            hidden_states = intermediate_tensors["hidden_states"]
+        layers = islice(self.layers, self.start_layer, self.end_layer)
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden_states = layer(hidden_states, kv_cache, attn_metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors({"hidden_states": hidden_states})
         if self.final_layer_norm is not None:
             hidden_states = self.final_layer_norm(hidden_states)
         return hidden_states
 
 
 class OPTModel(nn.Module):
-    def __init__(self, hf_config: PretrainedConfig, params_dtype: torch.dtype) -> None:
+    def __init__(
+        self, hf_config: PretrainedConfig, params_dtype: torch.dtype, tie_word_embeddings: bool
+    ) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(hf_config, params_dtype)
+        self.decoder = OPTDecoder(hf_config, params_dtype, tie_word_embeddings)
 
 
 class OPTForCausalLM(nn.Module):
@@ -168,9 +204,11 @@ class OPTForCausalLM(nn.Module):
     def __init__(self, hf_config: PretrainedConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = OPTModel(hf_config, dtype)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
+        self.model = OPTModel(hf_config, dtype, self.tie_word_embeddings)
+        if not is_last_stage():
+            self.lm_head = PPMissingLayer()
+        elif self.tie_word_embeddings:
             self.lm_head = self.model.decoder.embed_tokens
         else:
             self.lm_head = ParallelLMHead(
@@ -183,9 +221,21 @@ class OPTForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden_size]; project_out (if any) belongs to compute_logits."""
-        return self.model.decoder(input_ids, positions, kv_caches, attn_metadata)
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Hidden states [T, hidden_size] on the last stage (project_out, if any, belongs to
+        compute_logits); the stage's activations on the others."""
+        return self.model.decoder(
+            input_ids, positions, kv_caches, attn_metadata, intermediate_tensors
+        )
+
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        """Buffers for what the previous stage sends this one."""
+        return empty_intermediate_tensors(
+            ("hidden_states",), num_tokens, self.config.hidden_size, dtype, device
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         project_out = self.model.decoder.project_out

@@ -1,22 +1,76 @@
-"""Loading checkpoint tensors into a model's parameters, by HF checkpoint name.
+"""What the model families share: their pipeline stages, and loading checkpoint tensors into
+their parameters by HF checkpoint name.
 
-Parameters that pack several checkpoint tensors (qkv_proj, gate_up_proj, the experts' w13/w2)
-carry a `weight_loader(param, tensor, shard_id[, expert_id])` that places one tensor, and this
-rank's shard of it; every other parameter copies the tensor whole.
+Under pipeline parallelism a stage builds only its own layers; the others are `PPMissingLayer`s,
+whose weights loading skips. Parameters that pack several checkpoint tensors (qkv_proj,
+gate_up_proj, the experts' w13/w2) carry a `weight_loader(param, tensor, shard_id[, expert_id])`
+that places one tensor, and this rank's shard of it; every other parameter copies the tensor
+whole.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
+
+from pdserve.distributed.parallel_state import (
+    IntermediateTensors, get_pp_indices, get_pp_rank, get_pp_world_size,
+)
+
+logger = logging.getLogger(__name__)
 
 # A checkpoint expert tensor: "...experts.<expert id>.<projection name>.weight".
 _EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 # Buffers some checkpoints carry that pdserve recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class PPMissingLayer(nn.Identity):
+    """The place of a module that another pipeline stage holds: no parameters, no weights."""
+
+
+def make_layers(
+    num_layers: int, make_layer: Callable[[int], nn.Module]
+) -> tuple[int, int, nn.ModuleList]:
+    """(start, end, layers): this stage's layers [start, end) built, the others missing, so that
+    every layer keeps its checkpoint name (model.layers.<i>)."""
+    start, end = get_pp_indices(num_layers, get_pp_rank(), get_pp_world_size())
+    layers = nn.ModuleList(
+        make_layer(i) if start <= i < end else PPMissingLayer() for i in range(num_layers)
+    )
+    return start, end, layers
+
+
+def empty_intermediate_tensors(
+    names: Sequence[str],
+    num_tokens: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> IntermediateTensors:
+    """Receive buffers for the activations `names`, each [num_tokens, hidden_size]."""
+    return IntermediateTensors(
+        {n: torch.empty(num_tokens, hidden_size, dtype=dtype, device=device) for n in names}
+    )
+
+
+def warn_sliding_window(hf_config: PretrainedConfig) -> None:
+    # Qwen configs carry a window they only use when use_sliding_window is set.
+    if not getattr(hf_config, "use_sliding_window", True):
+        return
+    window = getattr(hf_config, "sliding_window", None)
+    if window and window < hf_config.max_position_embeddings:
+        logger.warning(
+            "The model uses sliding-window attention (window %d); pdserve attends to the whole "
+            "context, so outputs differ from the reference past %d tokens.",
+            window,
+            window,
+        )
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -56,11 +110,16 @@ def load_checkpoint_weights(
     """
     params = dict(model.named_parameters())
     ignored = set(ignored)
+    other_stages = tuple(
+        f"{name}." for name, module in model.named_modules() if isinstance(module, PPMissingLayer)
+    )
     loaded: set[str] = set()
     for name, tensor in weights:
         if name in ignored or name.endswith(_IGNORED_SUFFIXES):
             continue
         param_name, args = _locate(name, stacked_params, expert_params or {})
+        if param_name.startswith(other_stages):
+            continue
         param = params.get(param_name)
         if param is None:
             raise ValueError(

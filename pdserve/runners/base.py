@@ -1,14 +1,21 @@
-"""What both model runners share: the model, the KV cache, the forward pass and sampling."""
+"""What both model runners share: the model, the KV cache, the forward pass and sampling.
+
+Under pipeline parallelism each rank runs its stage's layers: it receives the previous stage's
+activations, sends its own on, and the last stage samples; the output rank's tokens then reach
+every rank, so that every runner appends the same tokens to its requests.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.distributed import parallel_state
 from pdserve.models import loader
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
 from pdserve.runners.inputs import StepInputs
@@ -57,19 +64,25 @@ class ModelRunnerBase:
         mc = self.model_config
         self.model = loader.load_model(mc.hf_config, mc.source, self.dtype, self.device)
 
-    def get_kv_cache_block_bytes(self) -> int:
+    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """[num_blocks, this stage's layers, 2, block_size, this TP rank's KV heads, head_dim]."""
         mc = self.model_config
-        elems = mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim
+        pp_rank, pp_size = parallel_state.get_pp_rank(), parallel_state.get_pp_world_size()
+        start, end = parallel_state.get_pp_indices(mc.num_layers, pp_rank, pp_size)
+        # TP ranks split the KV heads; with more ranks than heads each rank holds one.
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        num_kv_heads = max(1, mc.num_kv_heads // tp_size)
+        return (num_blocks, end - start, 2, self.block_size, num_kv_heads, mc.head_dim)
+
+    def get_kv_cache_block_bytes(self) -> int:
+        elems = math.prod(self._kv_cache_shape(1))
         return elems * torch.empty((), dtype=self.dtype).element_size()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One block-major tensor: block b of every layer is contiguous (cheap to transfer)."""
-        mc = self.model_config
-        self.kv_cache = torch.zeros(
-            num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
-        self.kv_caches = [self.kv_cache[:, i] for i in range(mc.num_layers)]
+        shape = self._kv_cache_shape(num_blocks)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [self.kv_cache[:, i] for i in range(shape[1])]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
@@ -79,10 +92,40 @@ class ModelRunnerBase:
     def forward_and_sample(
         self, inputs: StepInputs, rows: list[SamplingRow]
     ) -> tuple[list[int], LogprobsLists | None]:
-        assert self.model is not None, "load_model() first"
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        hidden = self._forward(inputs)
         if not rows:
             return [], None
+        if hidden is None:
+            # A stage before the last gets the last stage's tokens; it knows how many.
+            sampled = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            logprobs = None
+        else:
+            sampled, logprobs = self._sample(hidden, inputs, rows)
+        if parallel_state.get_pp_world_size() > 1:
+            parallel_state.broadcast_from_output_rank(sampled)
+        return sampled.tolist(), logprobs
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The final hidden states; None on a pipeline stage before the last."""
+        assert self.model is not None, "load_model() first"
+        args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        if parallel_state.get_pp_world_size() == 1:
+            return self.model(*args)
+        intermediate = None
+        if not parallel_state.is_first_stage():
+            empty = self.model.make_empty_intermediate_tensors(
+                inputs.input_ids.shape[0], self.dtype, self.device
+            )
+            intermediate = parallel_state.recv_intermediate_tensors(empty)
+        output = self.model(*args, intermediate)
+        if parallel_state.is_last_stage():
+            return output
+        parallel_state.send_intermediate_tensors(output)
+        return None
+
+    def _sample(
+        self, hidden: torch.Tensor, inputs: StepInputs, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, LogprobsLists | None]:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         md = SamplingMetadata.from_params(
             [r.params for r in rows],
@@ -103,7 +146,7 @@ class ModelRunnerBase:
                 [vals[:w] for vals, w in zip(logprobs.logprobs, widths)],
                 logprobs.sampled_token_ranks,
             )
-        return out.sampled_token_ids.tolist(), logprobs
+        return out.sampled_token_ids, logprobs
 
     @staticmethod
     def make_output(

@@ -85,10 +85,12 @@ class KVCacheManager:
                 return None
         if self.enable_caching and not delay_cache_blocks:
             # Blocks are cached once scheduled, before the forward fills them: a request that
-            # hits them in the same step reads them after this step's KV writes. The new
-            # tokens are all known ones (no draft tokens); lookahead slots are not cached.
-            if num_tokens // self.block_size > self.num_cached_block.get(req_id, 0):
-                self.cache_blocks(request, num_tokens)
+            # hits them in the same step reads them after this step's KV writes. Only known
+            # tokens are hashed: not lookahead slots, nor (async scheduling) the tokens that
+            # steps in flight sample; update_from_output caches those blocks once they are known.
+            num_known_tokens = min(num_tokens, request.num_tokens)
+            if num_known_tokens // self.block_size > self.num_cached_block.get(req_id, 0):
+                self.cache_blocks(request, num_known_tokens)
         return new_blocks
 
     def _allocate_new_blocks(

@@ -58,14 +58,18 @@ class SchedulerOutputBuilderMixin:
             for req_id in running_ids
         ]
         num_computed_tokens = [r.num_computed_tokens for r in scheduled_running_reqs]
-        num_output_tokens = [r.num_output_tokens for r in scheduled_running_reqs]
+        num_output_tokens = [
+            r.num_output_tokens + r.num_output_placeholders for r in scheduled_running_reqs
+        ]
         all_token_ids: dict[str, list[int]] = {}
         prev_step_ids = self.prev_step_scheduled_req_ids
         if not v2:
+            # A request with steps in flight (more than one with pipeline stages) is behind the
+            # runner, which appended the tokens they sampled: its known tokens would cut them.
             all_token_ids = {
                 r.request_id: r.all_token_ids.copy()
                 for r in scheduled_running_reqs
-                if r.request_id not in prev_step_ids
+                if r.request_id not in prev_step_ids and not r.num_output_placeholders
             }
         for request in scheduled_resumed_reqs:
             # Runner V1 kept the request's state: its block table is replaced whole.
@@ -103,7 +107,11 @@ class SchedulerOutputBuilderMixin:
         # The output holds the numbers from before this step; now the step is taken as done.
         requests = self.requests
         for req_id, num_tokens in num_scheduled_tokens.items():
-            requests[req_id].num_computed_tokens += num_tokens
+            request = requests[req_id]
+            request.num_computed_tokens += num_tokens
+            # A step that reaches every token, known or in flight, samples one more.
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         if not v2:
             self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
         self.finished_req_ids = set()

@@ -67,9 +67,15 @@ class SchedulerOutputProcessorMixin:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append the sampled tokens, finish the requests they end, and report both."""
+        """Append the sampled tokens, finish the requests they end, and report both.
+
+        Async scheduling: each token replaces a placeholder. Tokens of requests that finished
+        while the step was in flight, and of requests preempted since, are dropped.
+        """
         logprobs = model_runner_output.logprobs
         requests = self.requests
+        kv_cache_manager = self.kv_cache_manager
+        enable_caching = kv_cache_manager.enable_caching
         max_model_len = self.max_model_len
         outputs: list[EngineCoreOutput] = []
         stopped_reqs: set[Request] = set()
@@ -82,12 +88,22 @@ class SchedulerOutputProcessorMixin:
                 continue  # in the middle of a chunked prefill
             request = requests.get(req_id)
             if request is None or request.status > preempted:
-                continue  # aborted while the step ran (or finished, its blocks still held)
+                continue  # finished or aborted while the step ran (its blocks maybe still held)
+            if request.num_async_tokens_to_discard:
+                request.num_async_tokens_to_discard -= 1
+                continue  # preempted while the step ran: it resumes without this token
+            request.num_output_placeholders -= 1
+            assert request.num_output_placeholders >= 0, "a token the scheduler did not expect"
             if len(new_token_ids) == 1:  # the norm: one token per request and step
                 request.append_output_token_ids(new_token_ids)
                 stopped = check_stop(request, max_model_len)
             else:
                 new_token_ids, stopped = append_until_stop(request, new_token_ids, max_model_len)
+            if enable_caching:
+                # Blocks of tokens known only now; those the steps still in flight sample wait.
+                kv_cache_manager.cache_blocks(
+                    request, request.num_computed_tokens - request.num_output_placeholders
+                )
             finish_reason = kv_transfer_params = None
             if stopped:
                 finish_reason = int(request.get_finished_reason())

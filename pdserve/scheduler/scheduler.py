@@ -4,6 +4,9 @@ Continuous batching with no prefill or decode phases: every request has `num_com
 and `num_tokens`, and each step hands out a token budget so that the former catches up, running
 requests first, then waiting ones (vLLM V1, `vllm/v1/core/sched/scheduler.py`). The step's
 SchedulerOutput is built in output_builder.py; its results are processed in output_processor.py.
+
+Async scheduling (vLLM's AsyncScheduler, folded in): a step that samples leaves a placeholder
+token that the next schedule() counts; see docs/async_scheduling.md.
 """
 
 from __future__ import annotations
@@ -101,7 +104,15 @@ class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             num_computed = request.num_computed_tokens
-            num_new_tokens = request.num_tokens - num_computed
+            num_placeholders = request.num_output_placeholders
+            if num_placeholders and request.max_tokens is not None and (
+                request.num_output_tokens + num_placeholders >= request.max_tokens
+            ):
+                # Async: the steps in flight already sample the last token max_tokens allows.
+                req_index += 1
+                continue
+            # Placeholders count as tokens: the runner feeds the one it sampled itself.
+            num_new_tokens = request.num_tokens + num_placeholders - num_computed
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
             # The sampled token must land below max_model_len; only a prompt of exactly
@@ -256,6 +267,9 @@ class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Async: it resumes from the tokens known now; its steps in flight sample for nothing.
+        request.num_async_tokens_to_discard += request.num_output_placeholders
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)

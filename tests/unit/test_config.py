@@ -156,6 +156,14 @@ def test_max_concurrent_batches(async_scheduling, v2, pp, expected):
     assert EngineConfig.max_concurrent_batches.fget(config) == expected
 
 
+@pytest.mark.parametrize("value,expected", [(None, True), (True, True), (False, False)])
+def test_async_scheduling_is_on_by_default(monkeypatch, tiny_model, value, expected):
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
+    config = make_config(tiny_model("llama"), async_scheduling=value)
+    assert config.scheduler_config.async_scheduling is expected
+    assert config.max_concurrent_batches == (2 if expected else 1)
+
+
 @pytest.mark.parametrize(
     "make,field",
     [
@@ -179,10 +187,10 @@ def test_invalid_values_name_the_field(make, field):
         ({"dtype": "int8"}, "dtype"),
         ({"max_model_len": 10**7}, "max_model_len"),
         ({"max_model_len": 512, "enable_chunked_prefill": False, "max_num_batched_tokens": 256}, "max_num_batched_tokens"),
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+        ({"pipeline_parallel_size": 3}, "pipeline_parallel_size"),  # the model has 2 layers
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "distributed_executor_backend"),
         ({"kv_transfer_config": {"kv_connector": "NixlConnector"}}, "kv_transfer_config"),
-        ({"async_scheduling": True}, "async_scheduling"),
+        ({"async_scheduling": "yes"}, "async_scheduling"),
         ({"no_such_knob": 1}, "no_such_knob"),
     ],
 )

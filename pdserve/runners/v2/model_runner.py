@@ -57,6 +57,10 @@ class ModelRunnerV2(ModelRunnerBase):
         if self.model_config.is_moe:
             logger.info("CUDA graphs off: the MoE layer syncs with the host")
             return False
+        if self.config.parallel_config.pipeline_parallel_size > 1:
+            # A stage's graph would have to take the received activations as static inputs.
+            logger.info("CUDA graphs off: pipeline parallelism")
+            return False
         return True
 
     def _update_states(self, so: SchedulerOutput) -> None:

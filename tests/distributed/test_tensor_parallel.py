@@ -1,11 +1,10 @@
-"""Tensor parallelism of the model zoo: two ranks (gloo, CPU) must give HF's logits.
-
-It starts real processes, so it may belong in tests/distributed once that suite exists.
-"""
+"""Tensor parallelism over two ranks (gloo, CPU): the model zoo gives HF's logits, and the
+engine on the MultiprocExecutor gives HF's greedy tokens."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pdserve import LLM
 from pdserve.distributed import parallel_state
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_source
+from tests.unit.engine.test_correctness import make_prompts, reference, run
 from tests.utils.paged_batch import make_kv_cache, run_step
 from tests.utils.tiny_models import VOCAB_SIZE, hf_logits, load_hf_model, make_tiny_model
 
@@ -39,7 +40,7 @@ def _rank_main(rank: int, init_file: str, model_dir: str) -> None:
             decode = run_step(model, kv, list(NEXT_TOKENS.items()))
             torch.save((prefill, decode), Path(model_dir) / f"{arch}.rank{rank}.pt")
     finally:
-        parallel_state.destroy_tensor_model_parallel()
+        parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
@@ -68,3 +69,14 @@ def test_two_ranks_match_hf(tmp_path: Path) -> None:
                     torch.testing.assert_close(
                         got, want, atol=1e-4, rtol=0, msg=lambda m, arch=arch: f"{arch}: {m}"
                     )
+
+
+def test_llm_tp2_matches_hf(tiny_model: Callable[[str], str]) -> None:
+    """OPT has as many KV heads as heads: each rank caches its half of them."""
+    path = tiny_model("opt")
+    with LLM(
+        model=path, dtype="float32", max_model_len=256, tensor_parallel_size=TP_SIZE,
+        distributed_executor_backend="mp",
+    ) as llm:
+        prompts = make_prompts(VOCAB_SIZE)[::2]
+        assert run(llm, prompts) == reference(path, prompts)
