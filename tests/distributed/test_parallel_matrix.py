@@ -1,0 +1,72 @@
+"""The parallel layouts token for token against HF: TP=2, PP=2 and TP=2 x PP=2, on the mp and ray
+executors, runner V1 and V2, async scheduling on and off, a dense and a MoE model.
+
+Every cell starts 2-4 worker processes, so the full matrix runs in the slow stage; two cells stay
+in the default suite.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+
+from pdserve import LLM
+from tests.unit.engine.test_correctness import RUNNERS, assert_pool_full, make_prompts, reference, run
+
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+FAST = {("mp", "tp2", "v2", "async", "llama"), ("mp", "tp2", "v1", "sync", "qwen2_moe")}
+
+
+def cells() -> list:
+    params = []
+    for backend, layout, runner, mode, arch in itertools.product(
+        ["mp", "ray"], LAYOUTS, RUNNERS, ["async", "sync"], ["llama", "qwen2_moe"]
+    ):
+        cell = (backend, layout, runner, mode, arch)
+        marks = [] if cell in FAST else [pytest.mark.slow]
+        params.append(pytest.param(*cell, marks=marks, id="-".join(cell)))
+    return params
+
+
+@pytest.fixture(scope="module")
+def ray_started():
+    """One local Ray for the module's ray cells, started only if one of them runs."""
+    started = []
+
+    def start() -> None:
+        if started:
+            return
+        ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+        import os
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if not ray.is_initialized():
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+            started.append(ray)
+
+    yield start
+    for ray in started:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("backend,layout,runner,mode,arch", cells())
+def test_layout_matches_hf(
+    tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, ray_started,
+    backend: str, layout: str, runner: str, mode: str, arch: str,
+) -> None:
+    if backend == "ray":
+        ray_started()
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", RUNNERS[runner])
+    tp, pp = LAYOUTS[layout]
+    path = tiny_model(arch)
+    with LLM(
+        model=path, dtype="float32", max_model_len=256, max_num_seqs=8,
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend=backend,
+        async_scheduling=mode == "async",
+    ) as llm:
+        assert llm.config.scheduler_config.async_scheduling is (mode == "async")
+        prompts = make_prompts(llm.config.model_config.vocab_size)[::2]
+        assert run(llm, prompts) == reference(path, prompts)
+        assert_pool_full(llm)
