@@ -56,10 +56,10 @@ def resolve_model(name: str, tmp: Path) -> str:
     return name
 
 
-def run_pdserve(model: str, prompts: list[list[int]], output_len: int, dtype: str) -> float:
+def run_pdserve(model: str, prompts: list[list[int]], output_len: int, dtype: str, tp: int) -> float:
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, max_model_len=1024)
+    llm = LLM(model=model, dtype=dtype, max_model_len=1024, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
     start = time.perf_counter()
@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
 
     from pdserve.config import ModelConfig
@@ -105,7 +106,7 @@ def main() -> None:
         prompts = make_prompts(tokenizer, args.num_prompts)
         total_tokens = args.num_prompts * args.output_len
 
-        pd_time = run_pdserve(model, prompts, args.output_len, args.dtype)
+        pd_time = run_pdserve(model, prompts, args.output_len, args.dtype, args.tensor_parallel_size)
         gc.collect()
         from tests.utils.tiny_models import load_hf_model
 
@@ -118,12 +119,14 @@ def main() -> None:
     print(f"{'pdserve':<14}{pd_time:>10.2f}{pd_tps:>15.1f}")
     print(f"{'hf generate':<14}{hf_time:>10.2f}{hf_tps:>15.1f}")
     print(f"ratio pdserve / HF: {pd_tps / hf_tps:.2f}x  ({args.num_prompts} prompts x {args.output_len} tokens, "
-          f"{args.model}, {args.dtype}, HF batch {args.hf_batch_size}, {torch.get_num_threads()} threads)")
+          f"{args.model}, {args.dtype}, TP={args.tensor_parallel_size}, HF batch {args.hf_batch_size}, "
+          f"{torch.get_num_threads()} threads)")
     print(json.dumps({
         "benchmark": "throughput", "model": args.model, "dtype": args.dtype,
         "num_prompts": args.num_prompts, "output_len": args.output_len,
         "pdserve_tok_s": round(pd_tps, 1), "hf_tok_s": round(hf_tps, 1),
         "ratio": round(pd_tps / hf_tps, 2), "hf_batch_size": args.hf_batch_size,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }))
 
 

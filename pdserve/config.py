@@ -281,10 +281,16 @@ class EngineConfig:
                 f"pipeline_parallel_size={pp} is larger than the model's {num_layers} layers: "
                 "every stage needs at least one layer."
             )
+        tp, hf = self.parallel_config.tensor_parallel_size, self.model_config.hf_config
+        heads = {"attention heads": hf.num_attention_heads, "KV heads": self.model_config.num_kv_heads}
+        for what, count in heads.items():
+            if count % tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} does not divide the model's {count} {what}."
+                )
 
     def _check_not_yet_implemented(self) -> None:
         """Knobs whose mechanism later work brings: a clear error rather than a silent no-op."""
-        par = self.parallel_config
         missing = []
         if self.kv_transfer_config is not None:
             missing.append("kv_transfer_config")

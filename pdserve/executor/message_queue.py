@@ -12,6 +12,7 @@ after each wake-up, so a lost or early notification only costs one poll period.
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 from multiprocessing import shared_memory
@@ -175,6 +176,9 @@ class MessageQueue:
             if deadline is not None and now >= deadline:
                 raise TimeoutError("No message within the timeout.")
             if now - start < _SPIN_SECONDS:
+                # Yield while spinning: on a machine with fewer cores than processes, a spinning
+                # reader must not take the core its writer needs.
+                os.sched_yield()
                 continue
             if self.is_writer:
                 time.sleep(0.0005)  # readers are behind: rare, and never while idle

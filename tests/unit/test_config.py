@@ -197,3 +197,11 @@ def test_invalid_values_name_the_field(make, field):
 def test_engine_args_errors_name_the_field(tiny_model, kwargs, field):
     with pytest.raises(ValueError, match=field):
         make_config(tiny_model("llama"), **kwargs)
+
+
+def test_tensor_parallel_size_must_divide_the_heads(tiny_model):
+    # The tiny llama has 4 attention heads and 2 KV heads.
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        make_config(tiny_model("llama"), tensor_parallel_size=3, distributed_executor_backend="mp")
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's 2 KV heads"):
+        make_config(tiny_model("llama"), tensor_parallel_size=4, distributed_executor_backend="mp")
