@@ -38,6 +38,10 @@ class NoOpWorker(Worker):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         return None
 
+    def now(self) -> float:
+        """The worker's wall clock when it runs the call: the start of a step, seen from a rank."""
+        return time.time()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         return ModelRunnerOutput(
@@ -105,12 +109,16 @@ def main() -> None:
             before = cpu_seconds(pids)
             time.sleep(5.0)
             idle_pct = (cpu_seconds(pids) - before) / 5.0 * 100
-            wake = []
+            wake, start_delay = [], []
             for _ in range(5):
                 time.sleep(1.0)
                 start = time.perf_counter()
                 executor.execute_model(steps[0])
                 wake.append((time.perf_counter() - start) * 1e3)
+                time.sleep(1.0)
+                sent = time.time()
+                started = executor.collective_rpc("now")  # every rank's start time
+                start_delay.append((max(started) - sent) * 1e3)
         finally:
             executor.shutdown()
 
@@ -120,11 +128,13 @@ def main() -> None:
     print(f"{'step broadcast + collect, p99 (us)':<44}{p99:>12.1f}")
     print(f"{'idle CPU, engine + workers (% of a core)':<44}{idle_pct:>12.2f}")
     print(f"{'first step after 1 s idle, median (ms)':<44}{statistics.median(wake):>12.2f}")
+    print(f"{'  of which until every rank started (ms)':<44}{statistics.median(start_delay):>12.2f}")
     print(f"({args.num_reqs} decode requests, TP={args.tp}, model-free workers)")
     print(json.dumps({
         "benchmark": "executor_overhead", "tp": args.tp, "num_reqs": args.num_reqs,
         "us_per_step": round(median, 1), "us_per_step_p99": round(p99, 1),
         "idle_cpu_pct": round(idle_pct, 2), "wake_ms": round(statistics.median(wake), 2),
+        "start_after_idle_ms": round(statistics.median(start_delay), 2),
     }))
 
 

@@ -22,10 +22,9 @@ from typing import Any
 import msgspec
 
 from pdserve.config import EngineConfig
-from pdserve.executor.base import Executor
+from pdserve.executor.base import Executor, worker_class
 from pdserve.executor.message_queue import MessageQueue, MessageQueueHandle
 from pdserve.executor.rpc import check_method, decode_reply, decode_results, encode_call
-from pdserve.executor.worker import Worker
 from pdserve.executor.worker_proc import READY, worker_main
 from pdserve.utils import get_open_port
 
@@ -55,6 +54,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.world_size = config.parallel_config.world_size
+        self.worker_cls = worker_class(config)  # its annotations type the RPC messages
         self.shutting_down = False
         self.workers: list[WorkerHandle] = []
         self._pending: queue.Queue[_PendingCall | None] = queue.Queue()
@@ -128,7 +128,7 @@ class MultiprocExecutor(Executor):
     ) -> Any:
         if self.is_failed or self.rpc_broadcast_mq is None:
             raise RuntimeError("Executor failed.")
-        check_method(Worker, method)
+        check_method(self.worker_cls, method)
         payload = encode_call(method, args, kwargs or {}, unique_reply_rank)
         ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
         future: Future = Future()
@@ -148,7 +148,7 @@ class MultiprocExecutor(Executor):
                 # Every rank's reply is read before any error is raised: a reply left in a
                 # queue would be taken as the answer to the next call.
                 replies = [(rank, decode_reply(self._dequeue(self.workers[rank]))) for rank in call.ranks]
-                results = decode_results(Worker, call.method, replies)
+                results = decode_results(self.worker_cls, call.method, replies)
                 call.future.set_result(results[0] if call.single else results)
             except Exception as e:
                 call.future.set_exception(e)
