@@ -153,7 +153,7 @@ def test_user_placement_group_is_used_and_kept(ray_session, tiny_model):
             executor.shutdown()
         assert ray_session.util.placement_group_table(pg)["state"] == "CREATED"
         with pytest.raises(ValueError, match="placement_group has 2 bundles"):
-            make_executor(tiny_model("llama"), 4, placement_group=pg)
+            make_executor(tiny_model("llama"), 2, 2, placement_group=pg)  # world 4
     finally:
         ray_session.util.remove_placement_group(pg)
 
