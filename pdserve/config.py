@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from pdserve import envs
+from pdserve.model_config import ModelConfig
+from pdserve.validation import check_choice, check_positive
 
 logger = logging.getLogger(__name__)
 
@@ -23,120 +25,6 @@ DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES = frozenset(
 # Speculative methods Model Runner V2 accepts (pdserve itself implements none yet).
 V2_SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp")
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
-
-
-def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
-    if value not in choices:
-        allowed = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
-
-
-@dataclass
-class ModelConfig:
-    model: str | None = None  # an HF folder or a .gguf file; None serves the default model
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    runner_type: str = "generate"
-    # Callables (output_token_ids, logits) -> logits applied per request (runner V1 only).
-    logits_processors: list[Callable[..., torch.Tensor]] | None = None
-    enable_return_routed_experts: bool = False
-    # Off: runner V2 captures CUDA graphs of decode (and small mixed) steps on CUDA devices.
-    enforce_eager: bool = False
-
-    def __post_init__(self) -> None:
-        # Imported here: the loader pulls in the model zoo, which config users may not need.
-        from pdserve.models import loader, registry
-
-        _check_choice("dtype", self.dtype, ("auto", *_DTYPES))
-        _check_choice("runner_type", self.runner_type, ("generate",))
-        self.source = loader.resolve_model_source(self.model)
-        self.hf_config = loader.load_hf_config(self.source)
-        self.architectures: list[str] = list(getattr(self.hf_config, "architectures", None) or [])
-        info = registry.get_model_info(self.architectures)
-        if info.unsupported_reason is not None:
-            raise ValueError(
-                f"Architecture {info.architecture} is recognized, but pdserve cannot run it: "
-                f"{info.unsupported_reason}."
-            )
-        self.architecture = info.architecture
-        self.is_hybrid = info.is_hybrid
-        self.is_attention_free = info.is_attention_free
-        self.has_inner_state = info.has_inner_state
-        self.is_moe = registry.num_experts(self.hf_config) > 0
-
-        derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        if self.max_model_len is None:
-            self.max_model_len = derived
-        _check_positive("max_model_len", self.max_model_len)
-        if self.max_model_len > derived:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} is larger than the model's "
-                f"max_position_embeddings={derived}."
-            )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        # bf16 on CPU only where the CPU computes it natively (AVX512-BF16 / AMX).
-        if torch.cuda.is_available() or _cpu_has_bf16():
-            return torch.bfloat16
-        return torch.float32
-
-    @cached_property
-    def eos_token_ids(self) -> list[int]:
-        """EOS ids from generation_config (or the model config); the first is the primary one."""
-        from pdserve.models import loader
-
-        eos = loader.load_generation_config(self.source).get("eos_token_id")
-        if eos is None:
-            eos = getattr(self.hf_config, "eos_token_id", None)
-        if eos is None:
-            return []
-        return [eos] if isinstance(eos, int) else list(eos)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
-
-    @property
-    def num_kv_heads(self) -> int:
-        hf = self.hf_config
-        return getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-
-    @property
-    def head_dim(self) -> int:
-        hf = self.hf_config
-        return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
 
 @dataclass
 class CacheConfig:
@@ -146,8 +34,8 @@ class CacheConfig:
     kv_sharing_fast_prefill: bool = False
 
     def __post_init__(self) -> None:
-        _check_choice("block_size", self.block_size, (1, 2, 4, 8, 16, 32, 64, 128))
-        _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
+        check_choice("block_size", self.block_size, (1, 2, 4, 8, 16, 32, 64, 128))
+        check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(
                 "num_gpu_blocks_override must be at least 2 (one block is the null block), "
@@ -169,9 +57,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"async_scheduling must be True, False or None, got {self.async_scheduling!r}."
             )
-        _check_positive("max_num_seqs", self.max_num_seqs)
-        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
-        _check_choice("policy", self.policy, ("fcfs", "priority"))
+        check_positive("max_num_seqs", self.max_num_seqs)
+        check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        check_choice("policy", self.policy, ("fcfs", "priority"))
 
 
 @dataclass
@@ -186,12 +74,12 @@ class ParallelConfig:
     worker_cls: str = "pdserve.executor.worker:Worker"
 
     def __post_init__(self) -> None:
-        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        check_positive("tensor_parallel_size", self.tensor_parallel_size)
         if ":" not in self.worker_cls:
             raise ValueError(f"worker_cls must be 'module:Class', got {self.worker_cls!r}.")
-        _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
-        _check_positive("prefill_context_parallel_size", self.prefill_context_parallel_size)
-        _check_choice(
+        check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_positive("prefill_context_parallel_size", self.prefill_context_parallel_size)
+        check_choice(
             "distributed_executor_backend", self.distributed_executor_backend, (None, "uni", "mp", "ray")
         )
         if self.distributed_executor_backend is None:
@@ -219,7 +107,7 @@ class EngineConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self._resolve_scheduler_limits()

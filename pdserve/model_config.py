@@ -1,0 +1,113 @@
+"""ModelConfig: which model, in which dtype, and what the engine needs to know about it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
+
+import torch
+
+from pdserve.validation import check_choice, check_positive
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # an HF folder or a .gguf file; None serves the default model
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    runner_type: str = "generate"
+    # Callables (output_token_ids, logits) -> logits applied per request (runner V1 only).
+    logits_processors: list[Callable[..., torch.Tensor]] | None = None
+    enable_return_routed_experts: bool = False
+    # Off: runner V2 captures CUDA graphs of decode (and small mixed) steps on CUDA devices.
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        # Imported here: the loader pulls in the model zoo, which config users may not need.
+        from pdserve.models import loader, registry
+
+        check_choice("dtype", self.dtype, ("auto", *_DTYPES))
+        check_choice("runner_type", self.runner_type, ("generate",))
+        self.source = loader.resolve_model_source(self.model)
+        self.hf_config = loader.load_hf_config(self.source)
+        self.architectures: list[str] = list(getattr(self.hf_config, "architectures", None) or [])
+        info = registry.get_model_info(self.architectures)
+        if info.unsupported_reason is not None:
+            raise ValueError(
+                f"Architecture {info.architecture} is recognized, but pdserve cannot run it: "
+                f"{info.unsupported_reason}."
+            )
+        self.architecture = info.architecture
+        self.is_hybrid = info.is_hybrid
+        self.is_attention_free = info.is_attention_free
+        self.has_inner_state = info.has_inner_state
+        self.is_moe = registry.num_experts(self.hf_config) > 0
+
+        derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            self.max_model_len = derived
+        check_positive("max_model_len", self.max_model_len)
+        if self.max_model_len > derived:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={derived}."
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        # bf16 on CPU only where the CPU computes it natively (AVX512-BF16 / AMX).
+        if torch.cuda.is_available() or _cpu_has_bf16():
+            return torch.bfloat16
+        return torch.float32
+
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids from generation_config (or the model config); the first is the primary one."""
+        from pdserve.models import loader
+
+        eos = loader.load_generation_config(self.source).get("eos_token_id")
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        hf = self.hf_config
+        return getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        hf = self.hf_config
+        return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
