@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -84,6 +85,28 @@ class Executor(ABC):
     @property
     def max_concurrent_batches(self) -> int:
         return self.config.max_concurrent_batches
+
+    @staticmethod
+    def _await(future: Future, method: str, timeout: float | None, non_block: bool) -> Any:
+        """The future itself when non_block, else its result (a timeout names the method)."""
+        if non_block:
+            return future
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"RPC call to {method} timed out.") from None
+
+    def _start_background_threads(self) -> None:
+        """Executors with worker processes: one thread resolves replies in submission order,
+        one watches the workers (subclasses define _resolve_responses and _monitor_workers)."""
+        self._response_thread = threading.Thread(
+            target=self._resolve_responses, daemon=True, name="pdserve-executor-responses"
+        )
+        self._response_thread.start()
+        self._monitor_thread = threading.Thread(
+            target=self._monitor_workers, daemon=True, name="pdserve-worker-monitor"
+        )
+        self._monitor_thread.start()
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         if self.is_failed:

@@ -65,12 +65,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self._response_thread = threading.Thread(target=self._resolve_responses, daemon=True,
-                                                 name="pdserve-executor-responses")
-        self._response_thread.start()
-        self._monitor_thread = threading.Thread(target=self._monitor_workers, daemon=True,
-                                                name="pdserve-worker-monitor")
-        self._monitor_thread.start()
+        self._start_background_threads()
 
     @property
     def local_world_size(self) -> int:
@@ -135,12 +130,7 @@ class MultiprocExecutor(Executor):
         with self._send_lock:  # a call's place in the queue is its place in every response order
             self._pending.put(_PendingCall(future, method, ranks, unique_reply_rank is not None))
             self.rpc_broadcast_mq.enqueue(payload)
-        if non_block:
-            return future
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            raise TimeoutError(f"RPC call to {method} timed out.") from None
+        return self._await(future, method, timeout, non_block)
 
     def _resolve_responses(self) -> None:
         while (call := self._pending.get()) is not None:

@@ -102,12 +102,7 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self._response_thread = threading.Thread(target=self._resolve_responses, daemon=True,
-                                                 name="pdserve-executor-responses")
-        self._response_thread.start()
-        self._monitor_thread = threading.Thread(target=self._monitor_workers, daemon=True,
-                                                name="pdserve-worker-monitor")
-        self._monitor_thread.start()
+        self._start_background_threads()
 
     # ---- start-up ----------------------------------------------------------------------------
 
@@ -215,12 +210,7 @@ class RayExecutor(Executor):
             self._pending.put(
                 _PendingCall(future, method, [(r, refs[r]) for r in ranks], unique_reply_rank is not None)
             )
-        if non_block:
-            return future
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            raise TimeoutError(f"RPC call to {method} timed out.") from None
+        return self._await(future, method, timeout, non_block)
 
     def _resolve_responses(self) -> None:
         while (call := self._pending.get()) is not None:
