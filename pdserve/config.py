@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pdserve import envs
+from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.model_config import ModelConfig
 from pdserve.validation import check_choice, check_positive
 
@@ -101,7 +102,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    kv_transfer_config: dict[str, Any] | None = None
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | None = None
     speculative_config: dict[str, Any] | None = None
     ec_transfer_config: dict[str, Any] | None = None
     device: str = "auto"
@@ -112,7 +113,13 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self._resolve_scheduler_limits()
         self._check_pipeline_stages()
-        self._check_not_yet_implemented()
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
+            if self.parallel_config.pipeline_parallel_size > 1:
+                raise ValueError(
+                    "kv_transfer_config with pipeline_parallel_size > 1 is not supported yet: "
+                    "the connector reads whole blocks of every layer from one worker."
+                )
         if self.use_v2_model_runner:
             self._validate_v2_model_runner()
         else:
@@ -176,17 +183,6 @@ class EngineConfig:
                 raise ValueError(
                     f"tensor_parallel_size={tp} does not divide the model's {count} {what}."
                 )
-
-    def _check_not_yet_implemented(self) -> None:
-        """Knobs whose mechanism later work brings: a clear error rather than a silent no-op."""
-        missing = []
-        if self.kv_transfer_config is not None:
-            missing.append("kv_transfer_config")
-        if missing:
-            raise ValueError(
-                "pdserve does not implement yet: " + ", ".join(missing)
-                + " (the in-process and multiprocess executors exist)."
-            )
 
     # ---- runner selection -------------------------------------------------------------------
 

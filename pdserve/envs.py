@@ -45,3 +45,31 @@ def cpu_kv_cache_space_gib() -> float:
 def default_model() -> str | None:
     """PDSERVE_DEFAULT_MODEL: model served when none is named (default: bundled SmolLM2)."""
     return os.environ.get("PDSERVE_DEFAULT_MODEL") or None
+
+
+def api_key() -> str | None:
+    """PDSERVE_API_KEY: bearer token the server requires on every endpoint but /health."""
+    return os.environ.get("PDSERVE_API_KEY") or None
+
+
+def log_level() -> str:
+    """PDSERVE_LOG_LEVEL: log level of engine and worker processes (the CLI's --log-level sets it)."""
+    return os.environ.get("PDSERVE_LOG_LEVEL", "WARNING").upper()
+
+
+def side_channel_host() -> str:
+    """PDSERVE_SIDE_CHANNEL_HOST: address a prefill instance's handshake socket binds and
+    advertises (default 127.0.0.1; a host's own address for multi-host deployments)."""
+    return os.environ.get("PDSERVE_SIDE_CHANNEL_HOST") or "127.0.0.1"
+
+
+def side_channel_port() -> int:
+    """PDSERVE_SIDE_CHANNEL_PORT: its TCP port (default 5600, vLLM's)."""
+    value = os.environ.get("PDSERVE_SIDE_CHANNEL_PORT") or "5600"
+    try:
+        port = int(value)
+    except ValueError:
+        raise ValueError(f"PDSERVE_SIDE_CHANNEL_PORT must be a port number, got {value!r}.") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"PDSERVE_SIDE_CHANNEL_PORT must be in 1..65535, got {port}.")
+    return port

@@ -19,7 +19,6 @@ _DTYPES = {
 }
 
 
-
 @dataclass
 class ModelConfig:
     model: str | None = None  # an HF folder or a .gguf file; None serves the default model
@@ -32,6 +31,8 @@ class ModelConfig:
     enable_return_routed_experts: bool = False
     # Off: runner V2 captures CUDA graphs of decode (and small mixed) steps on CUDA devices.
     enforce_eager: bool = False
+    # The name clients put in "model" (vLLM's name); default: the model path as given.
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         # Imported here: the loader pulls in the model zoo, which config users may not need.
@@ -63,6 +64,10 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={derived}."
             )
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model or self.source.path.stem
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -23,9 +23,11 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     invalid_block_ids: set[int] = msgspec.field(default_factory=set)
+    # Counters since the last step (bytes, transfers, failures...), summed over workers.
+    stats: dict[str, float] | None = None
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids or self.stats)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):

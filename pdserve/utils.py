@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import _thread
+import os
+import signal
 import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+
+_EXIT_GRACE_S = 5.0
 
 
 def get_open_port(host: str = "127.0.0.1") -> int:
@@ -10,3 +18,30 @@ def get_open_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _watch_parent(death_reader: Connection) -> None:
+    """The parent holds the writing end: EOF means it is gone (or shutting us down).
+
+    The main thread is interrupted with SIGTERM so that it leaves through its cleanup (closing
+    and unlinking its queues); if it is stuck, the process exits anyway after a grace period.
+    """
+    try:
+        death_reader.recv()
+    except EOFError:
+        pass
+    _thread.interrupt_main(signal.SIGTERM)
+    time.sleep(_EXIT_GRACE_S)
+    os._exit(1)
+
+
+def exit_with_parent(death_reader: Connection) -> None:
+    """For a child process: SIGTERM or the parent's death end it through SystemExit, so that
+    finally-blocks run; Ctrl-C goes to the parent, which stops its children itself."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(death_reader,), daemon=True).start()

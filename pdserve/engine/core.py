@@ -13,9 +13,13 @@ from concurrent.futures import Future
 from typing import Iterable
 
 from pdserve.config import EngineConfig
+from pdserve.engine.input_processor import check_prompt
+from pdserve.engine.messages import EngineCoreRequest
 from pdserve.executor.base import Executor
+from pdserve.kv_connector.base import KVConnectorBase, KVConnectorRole
+from pdserve.kv_connector.factory import KVConnectorFactory
 from pdserve.outputs import EngineCoreOutput, ModelRunnerOutput
-from pdserve.request import Request, RequestStatus
+from pdserve.request import RequestStatus
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.scheduler import Scheduler
 
@@ -32,27 +36,34 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        self.kv_connector: KVConnectorBase | None = None
+        if config.kv_transfer_config is not None:
+            self.kv_connector = KVConnectorFactory.create(config, KVConnectorRole.SCHEDULER)
+            try:
+                # Each rank's answer to a peer's handshake; the connector serves them.
+                payloads = self.executor.collective_rpc("get_kv_connector_handshake_metadata")
+                self.kv_connector.set_xfer_handshake_metadata(dict(enumerate(payloads)))
+            except BaseException:
+                self.executor.shutdown()
+                raise
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
             config.model_config.max_model_len,
             self.num_blocks,
             config.use_v2_model_runner,
+            kv_connector=self.kv_connector,
         )
         self.batch_queue_size = self.executor.max_concurrent_batches
+        # False when the last step had nothing to compute (only transfers to poll).
+        self.last_step_scheduled = False
         # Steps submitted and not yet processed, newest first.
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
 
-    def add_request(self, request: Request) -> None:
-        max_model_len = self.config.model_config.max_model_len
-        if request.num_prompt_tokens == 0:
-            raise ValueError("The prompt is empty.")
-        if request.num_prompt_tokens >= max_model_len:
-            raise ValueError(
-                f"The prompt has {request.num_prompt_tokens} tokens, which leaves no room for "
-                f"a generated token within max_model_len={max_model_len}."
-            )
-        self.scheduler.add_request(request)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        mc = self.config.model_config
+        check_prompt(request.prompt_token_ids, mc.vocab_size, mc.max_model_len)
+        self.scheduler.add_request(request.to_request())
 
     def abort_requests(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -63,8 +74,18 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def _has_work(self) -> bool:
-        # A step also runs to tell the workers which requests finished since the last one.
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+        # A step also runs to tell the workers which requests finished since the last one, and
+        # to poll the connector's transfers.
+        return (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+                or self.has_pending_transfers())
+
+    def has_work(self) -> bool:
+        """False only when a step would do nothing: the engine loop may then block."""
+        return self._has_work() or bool(self.batch_queue)
+
+    def has_pending_transfers(self) -> bool:
+        """KV transfers in flight or blocks held for a reader: the workers must be polled."""
+        return self.kv_connector is not None and self.kv_connector.has_pending_transfers()
 
     def step(self) -> list[EngineCoreOutput]:
         if self.batch_queue_size > 1:
@@ -72,6 +93,7 @@ class EngineCore:
         if not self._has_work():
             return []
         scheduler_output = self.scheduler.schedule()
+        self.last_step_scheduled = scheduler_output.total_num_scheduled_tokens > 0
         model_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
@@ -84,6 +106,7 @@ class EngineCore:
         queue = self.batch_queue
         if self._has_work():
             scheduler_output = self.scheduler.schedule()
+            self.last_step_scheduled = scheduler_output.total_num_scheduled_tokens > 0
             future = self.executor.execute_model(scheduler_output, non_block=True)
             assert isinstance(future, Future)
             queue.appendleft((future, scheduler_output))
@@ -101,3 +124,5 @@ class EngineCore:
     def shutdown(self) -> None:
         self.batch_queue.clear()
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

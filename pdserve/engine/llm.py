@@ -10,16 +10,13 @@ from tqdm import tqdm
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
+from pdserve.engine.input_processor import ChatMessages, InputProcessor, PromptType
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.models import loader
 from pdserve.outputs import RequestOutput
-from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | dict[str, Any]  # a string, or {"prompt_token_ids": [...]}
-ChatMessages = list[dict[str, str]]
 
 
 class LLM:
@@ -27,9 +24,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_engine_args(model=model, **engine_args)
-        mc = self.config.model_config
-        self.tokenizer = loader.load_tokenizer(mc.source)
-        self.eos_token_ids = mc.eos_token_ids
+        self.tokenizer = loader.load_tokenizer(self.config.model_config.source)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core: EngineCore | None = EngineCore(self.config)
         self._request_counter = itertools.count()
@@ -77,48 +73,22 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("The model's tokenizer has no chat template; use generate().")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
-        # transformers 5 returns a BatchEncoding here; older versions a plain list.
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        raise ValueError("A prompt is a string or a dict with 'prompt_token_ids'.")
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt)
 
     def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
         assert self.engine_core is not None, "LLM is shut down"
-        text, token_ids = self._tokenize(prompt)
-        vocab_size = self.config.model_config.vocab_size
-        if any(not 0 <= t < vocab_size for t in token_ids):
-            raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+        text, token_ids = self.input_processor.tokenize(prompt)
         request_id = str(next(self._request_counter))
         children = self.output_processor.add_request(request_id, text, token_ids, params)
         try:
             for child_id, child_params in children:
-                self.engine_core.add_request(self._make_request(child_id, token_ids, child_params))
+                self.engine_core.add_request(
+                    self.input_processor.make_request(child_id, token_ids, child_params)
+                )
         except BaseException:
             self._abort([request_id])
             raise
         return request_id
-
-    def _make_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Request:
-        # Extra EOS ids of the generation config stop generation like stop_token_ids do.
-        primary_eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        extra = [t for t in self.eos_token_ids[1:] if not params.ignore_eos]
-        if extra:
-            import msgspec
-
-            params = msgspec.structs.replace(
-                params, stop_token_ids=list(dict.fromkeys((params.stop_token_ids or []) + extra))
-            )
-        return Request(request_id, token_ids, params, primary_eos)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         assert self.engine_core is not None

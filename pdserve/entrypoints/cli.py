@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 import time
 
@@ -30,6 +32,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument("--kv-transfer-config", type=_json_object, default=None,
+                        help='KV connector settings as JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\'')
+
+
+def _json_object(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -37,7 +52,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "model", "dtype", "max_model_len", "block_size", "num_gpu_blocks_override",
         "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "seed", "tensor_parallel_size", "pipeline_parallel_size",
-        "distributed_executor_backend", "enforce_eager",
+        "distributed_executor_backend", "enforce_eager", "served_model_name", "kv_transfer_config",
     ]
     return {n: getattr(args, n) for n in names}
 
@@ -69,6 +84,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.entrypoints.openai.api_server import run_server
+
+    return run_server(args, engine_kwargs(args))
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pdserve.entrypoints.bench_serve import run_bench_serve
+
+    result = run_bench_serve(args)
+    return 0 if result["completed"] > 0 and result["failed"] == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve")
     parser.add_argument("--log-level", default="WARNING")
@@ -83,7 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-chat", action="store_true", help="plain completion instead of the chat template")
     gen.set_defaults(func=cmd_generate)
 
+    from pdserve.entrypoints.bench_serve import add_bench_serve_args
+    from pdserve.entrypoints.openai.api_server import add_serve_args
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench_serve = bench.add_parser("serve", help="Poisson load against a running server")
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
+
     args = parser.parse_args(argv)
+    # Engine and worker processes read it from the environment they inherit.
+    os.environ["PDSERVE_LOG_LEVEL"] = args.log_level.upper()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from pdserve.config import EngineConfig
 from pdserve.executor.worker import Worker
+from pdserve.kv_connector.aggregator import KVOutputAggregator
 from pdserve.outputs import ModelRunnerOutput
 from pdserve.scheduler.output import SchedulerOutput
 
@@ -28,6 +29,11 @@ class Executor(ABC):
         self.config = config
         self.is_failed = False
         self._failure_callback: Callable[[], None] | None = None
+        # With a KV connector every rank's transfer report counts, not just the output rank's.
+        self.kv_output_aggregator = (
+            KVOutputAggregator(config.parallel_config.world_size)
+            if config.kv_transfer_config is not None else None
+        )
 
     @staticmethod
     def get_class(config: EngineConfig) -> type["Executor"]:
@@ -61,10 +67,25 @@ class Executor(ABC):
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        return self.collective_rpc(
-            "execute_model", args=(scheduler_output,), non_block=non_block,
-            unique_reply_rank=self.output_rank,
-        )
+        aggregator = self.kv_output_aggregator
+        if aggregator is None:
+            return self.collective_rpc(
+                "execute_model", args=(scheduler_output,), non_block=non_block,
+                unique_reply_rank=self.output_rank,
+            )
+        result = self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block)
+        if not non_block:
+            return aggregator.aggregate(result, self.output_rank)
+        aggregated: Future[ModelRunnerOutput] = Future()
+
+        def done(future: Future[list[ModelRunnerOutput]]) -> None:
+            try:
+                aggregated.set_result(aggregator.aggregate(future.result(), self.output_rank))
+            except BaseException as e:
+                aggregated.set_exception(e)
+
+        result.add_done_callback(done)
+        return aggregated
 
     def determine_num_blocks(self) -> int:
         # Every rank must hold the same block ids, so the smallest budget wins.

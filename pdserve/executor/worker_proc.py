@@ -4,45 +4,23 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
-import time
-import _thread
 import traceback
 from multiprocessing.connection import Connection
 
 import msgspec
 import torch
 
+from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.executor.base import worker_class
 from pdserve.executor.message_queue import MessageQueue, MessageQueueHandle
 from pdserve.executor.rpc import decode_args, decode_call, encode_reply
 from pdserve.executor.worker import Worker
+from pdserve.utils import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
 READY, FAILED = "READY", "FAILED"
-_EXIT_GRACE_S = 5.0
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
-def _watch_parent(death_reader: Connection) -> None:
-    """The parent holds the writing end: EOF means it is gone (or shutting us down).
-
-    The main thread is interrupted with SIGTERM so that it leaves through its cleanup (closing
-    and unlinking its queues); if it is stuck, the process exits anyway after a grace period.
-    """
-    try:
-        death_reader.recv()
-    except EOFError:
-        pass
-    _thread.interrupt_main(signal.SIGTERM)
-    time.sleep(_EXIT_GRACE_S)
-    os._exit(1)
 
 
 def worker_main(
@@ -55,10 +33,8 @@ def worker_main(
     death_reader: Connection,
 ) -> None:
     # SIGTERM from the executor's shutdown: leave through SystemExit so finally-blocks run.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us
-    threading.Thread(target=_watch_parent, args=(death_reader,), daemon=True).start()
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"))
+    exit_with_parent(death_reader)
+    logging.basicConfig(level=envs.log_level())
     broadcast = response = None
     try:
         par = config.parallel_config

@@ -71,7 +71,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     finished_req_ids: set[str]
     # Only used by runner V2, which drops the state row of each of these requests.
     preempted_req_ids: set[str] | None = None
-    kv_connector_metadata: Any = None
+    # The connector's metadata, encoded by the scheduler and decoded by the worker connector.
+    kv_connector_metadata: bytes | None = None
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from pdserve.request import Request
 from pdserve.scheduler.block_pool import KVCacheBlock
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
@@ -99,8 +101,8 @@ class SchedulerOutputBuilderMixin:
             preempted_req_ids=self.reset_preempted_req_ids if v2 else None,
         )
         if self.connector is not None:
-            scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
-                scheduler_output
+            scheduler_output.kv_connector_metadata = msgspec.msgpack.encode(
+                self.connector.build_connector_meta(scheduler_output)
             )
         assert scheduler_output.total_num_scheduled_tokens <= self.max_num_scheduled_tokens
 

@@ -12,8 +12,9 @@ token that the next schedule() counts; see docs/async_scheduling.md.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.request import Request, RequestStatus
@@ -27,14 +28,18 @@ from pdserve.scheduler.request_queue import RequestQueue, SchedulingPolicy, crea
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SchedulerStats:
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """A snapshot sent to the front end with every batch of outputs (feeds /metrics)."""
+
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
     num_preemptions: int  # cumulative
     prefix_cache_queries: int  # cumulative, in tokens
     prefix_cache_hits: int  # cumulative, in tokens
+    # Free blocks == num_blocks - 1 (the null block) means nothing is held: tests assert it.
+    num_free_blocks: int
+    num_blocks: int
 
 
 class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
@@ -294,6 +299,8 @@ class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+            num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            num_blocks=self.kv_cache_manager.block_pool.num_blocks,
         )
 
     def reset_prefix_cache(self) -> bool:

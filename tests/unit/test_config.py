@@ -189,7 +189,17 @@ def test_invalid_values_name_the_field(make, field):
         ({"max_model_len": 512, "enable_chunked_prefill": False, "max_num_batched_tokens": 256}, "max_num_batched_tokens"),
         ({"pipeline_parallel_size": 3}, "pipeline_parallel_size"),  # the model has 2 layers
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "distributed_executor_backend"),
-        ({"kv_transfer_config": {"kv_connector": "NixlConnector"}}, "kv_transfer_config"),
+        ({"kv_transfer_config": {"kv_connector": "NoSuchConnector"}}, "kv_transfer_config.kv_connector"),
+        ({"kv_transfer_config": {"kv_role": "kv_reader"}}, "kv_transfer_config.kv_role"),
+        ({"kv_transfer_config": {"kv_role": "kv_producer", "bogus": 1}}, "kv_transfer_config has unknown keys"),
+        ({"kv_transfer_config": "NixlConnector"}, "kv_transfer_config must be an object"),
+        ({"kv_transfer_config": {"kv_connector_extra_config": {"transport": "tcp"}}}, "transport"),
+        ({"kv_transfer_config": {"kv_connector_extra_config": {"kv_lease_duration": 0}}}, "kv_lease_duration"),
+        ({"kv_transfer_config": {"kv_connector_extra_config": {"kv_load_failure_policy": "retry"}}},
+         "kv_load_failure_policy"),
+        ({"kv_transfer_config": {"kv_connector_extra_config": {"lease": 3}}}, "unknown keys"),
+        ({"kv_transfer_config": {"kv_role": "kv_producer"}, "pipeline_parallel_size": 2,
+          "distributed_executor_backend": "mp"}, "pipeline_parallel_size > 1"),
         ({"async_scheduling": "yes"}, "async_scheduling"),
         ({"no_such_knob": 1}, "no_such_knob"),
     ],
@@ -205,3 +215,13 @@ def test_tensor_parallel_size_must_divide_the_heads(tiny_model):
         make_config(tiny_model("llama"), tensor_parallel_size=3, distributed_executor_backend="mp")
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's 2 KV heads"):
         make_config(tiny_model("llama"), tensor_parallel_size=4, distributed_executor_backend="mp")
+
+
+def test_kv_transfer_config_defaults_follow_vllm(tiny_model):
+    config = make_config(tiny_model("llama"), kv_transfer_config={"kv_connector": "NixlConnector",
+                                                                  "kv_role": "kv_consumer"})
+    kv = config.kv_transfer_config
+    assert kv.transport == "nixl" and kv.kv_lease_duration == 30.0
+    assert kv.kv_load_failure_policy == "fail" and kv.enforce_handshake_compat
+    assert kv.is_consumer and not kv.is_producer
+    assert kv.engine_id  # a random id unless given

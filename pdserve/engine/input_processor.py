@@ -1,0 +1,85 @@
+"""Prompt -> EngineCoreRequest: tokenization and the checks that need the model's limits.
+
+Shared by LLM (in-process) and AsyncLLM (engine in its own process), so both reject the same
+inputs with the same messages before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from transformers import PreTrainedTokenizerBase
+
+from pdserve.config import EngineConfig
+from pdserve.engine.messages import EngineCoreRequest
+from pdserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]  # a string, or {"prompt_token_ids": [...]}
+ChatMessages = list[dict[str, Any]]
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Also run by the engine itself: a request from the network must not reach the model unchecked."""
+    if not token_ids:
+        raise ValueError("The prompt is empty.")
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise ValueError(f"Prompt token ids must be in [0, {vocab_size}).")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"The prompt has {len(token_ids)} tokens, which leaves no room for a generated "
+            f"token within max_model_len={max_model_len}."
+        )
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        mc = config.model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = mc.max_model_len
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = mc.eos_token_ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        else:
+            raise ValueError("A prompt is a string or a dict with 'prompt_token_ids'.")
+        self.check_prompt(token_ids)
+        return text, token_ids
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        check_prompt(token_ids, self.vocab_size, self.max_model_len)
+
+    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("The model's tokenizer has no chat template; use completions.")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        # transformers 5 returns a BatchEncoding here; older versions a plain list.
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def make_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+        arrival_time: float | None = None,
+    ) -> EngineCoreRequest:
+        # Extra EOS ids of the generation config stop generation like stop_token_ids do.
+        primary_eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        extra = [t for t in self.eos_token_ids[1:] if not params.ignore_eos]
+        if extra:
+            params = msgspec.structs.replace(
+                params, stop_token_ids=list(dict.fromkeys((params.stop_token_ids or []) + extra))
+            )
+        return EngineCoreRequest(
+            request_id, token_ids, params, primary_eos,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            kv_transfer_params=kv_transfer_params,
+        )

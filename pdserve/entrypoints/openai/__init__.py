@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server of one instance (`pdserve serve`)."""

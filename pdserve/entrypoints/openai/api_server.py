@@ -1,0 +1,185 @@
+"""`pdserve serve`: the FastAPI app around one AsyncLLM, run by uvicorn.
+
+The engine starts before the HTTP port opens, so a server that answers /health is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pdserve
+from pdserve import envs
+from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
+from pdserve.engine.core_client import EngineDeadError
+from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def with_cancellation(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | None:
+    """Run a non-streaming handler; if the client goes away first, cancel it (which aborts)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+def build_app(engine: AsyncLLM, model_name: str, api_key: str | None,
+              max_pending_requests: int | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, model_name, max_pending_requests)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if api_key and request.url.path != "/health" and request.headers.get("Authorization") != f"Bearer {api_key}":
+            return error_response(OpenAIError(401, "Invalid or missing API key."))
+        return await call_next(request)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            return error_response(OpenAIError(400, f"Malformed JSON body: {first.get('msg')}"))
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return error_response(OpenAIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(OpenAIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
+        return error_response(OpenAIError(503, f"The engine is not available: {e}"))
+
+    @app.exception_handler(RequestRejectedError)
+    async def rejected(request: Request, e: RequestRejectedError) -> JSONResponse:
+        return error_response(OpenAIError(400, str(e)))
+
+    def request_id_of(request: Request) -> str:
+        # The proxy sends one X-Request-Id through both hops of a split request.
+        return request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+    async def respond(request: Request, stream: bool, full: Callable[[], Awaitable[dict]],
+                      chunks: Callable[[], AsyncIterator[str]]) -> Response:
+        if stream:
+            iterator = chunks()
+            # The first chunk is produced here, so a bad request is still a 400, not a stream.
+            try:
+                first = await iterator.__anext__()
+            except StopAsyncIteration:
+                first = ""
+            return StreamingResponse(_prepend(first, iterator), media_type="text/event-stream")
+        body = await with_cancellation(request, full())
+        if body is None:
+            return Response(status_code=499)
+        return JSONResponse(body)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        rid = request_id_of(request)
+        return await respond(request, body.stream, lambda: serving.completion(body, rid),
+                             lambda: serving.completion_stream(body, rid))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        rid = request_id_of(request)
+        return await respond(request, body.stream, lambda: serving.chat(body, rid),
+                             lambda: serving.chat_stream(body, rid))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "owned_by": "pdserve",
+                "max_model_len": serving.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead_reason is not None:
+            return error_response(OpenAIError(503, engine.dead_reason))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pdserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if engine.dead_reason is None:
+            # Fresh numbers: the engine only reports by itself when it does something.
+            try:
+                engine.metrics.record_scheduler_stats(await engine.get_stats())
+            except (asyncio.TimeoutError, EngineDeadError):
+                pass
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require this bearer token (or PDSERVE_API_KEY)")
+    parser.add_argument("--max-pending-requests", type=int, default=None,
+                        help="answer 503 beyond this many requests in flight (default: no limit)")
+
+
+def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    engine = AsyncLLM.from_engine_args(**engine_args)
+    app = build_app(engine, engine.config.model_config.name, args.api_key or envs.api_key(), args.max_pending_requests)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,129 @@
+"""Request bodies of the OpenAI API (the fields pdserve honours) and their SamplingParams.
+
+Unknown fields are ignored, as OpenAI's clients send some this server has no use for; a known
+field of the wrong type or out of range is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pdserve.sampling_params import SamplingParams
+
+KV_TRANSFER_PARAM_TYPES: dict[str, tuple[type, ...]] = {
+    "do_remote_prefill": (bool,),
+    "do_remote_decode": (bool,),
+    "remote_block_ids": (list,),
+    "remote_engine_id": (str,),
+    "remote_request_id": (str,),
+    "remote_host": (str,),
+    "remote_port": (int,),
+    "tp_size": (int,),
+    "remote_num_tokens": (int,),
+}
+
+
+def check_kv_transfer_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Each known key None or of its type (bool is not an int here); remote_block_ids ints."""
+    for key, types in KV_TRANSFER_PARAM_TYPES.items():
+        value = params.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            raise ValueError(f"kv_transfer_params.{key} must be of type {types[0].__name__}")
+        if key == "remote_block_ids" and not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value
+        ):
+            raise ValueError("kv_transfer_params.remote_block_ids must be a list of non-negative ints")
+    return params
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _check_kv_transfer_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else check_kv_transfer_params(value)
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (its message starts with the field name) for an invalid value."""
+        set_fields = {
+            name: getattr(self, name)
+            for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                         "frequency_penalty", "repetition_penalty")
+            if getattr(self, name) is not None
+        }
+        return SamplingParams(
+            n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens, **set_fields,
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    # OpenAI's default for completions.
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+    def prompts(self) -> list[str | dict[str, Any]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": p}]
+        return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # None: up to the model's context length.
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

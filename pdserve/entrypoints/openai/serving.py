@@ -1,0 +1,268 @@
+"""The completion and chat endpoints: request -> engine requests -> OpenAI response or SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator
+
+from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
+from pdserve.engine.core_client import EngineDeadError
+from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several prompts' output streams as they come; closing this closes them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def drain(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+            await queue.put((i, None))
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_name: str, max_pending_requests: int | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.config.model_config.max_model_len
+        self.max_pending_requests = max_pending_requests
+
+    # ---- shared checks ---------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    def check_capacity(self) -> None:
+        if self.engine.dead_reason is not None:
+            raise OpenAIError(503, f"The engine is not available: {self.engine.dead_reason}",
+                              "ServiceUnavailableError")
+        if self.max_pending_requests is not None and self.engine.num_in_flight >= self.max_pending_requests:
+            raise OpenAIError(503, f"The server is overloaded ({self.engine.num_in_flight} requests "
+                              "in flight); retry later.", "ServiceUnavailableError")
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        try:
+            return self.engine.tokenize(prompt)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="prompt") from None
+
+    def sampling_params(
+        self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+        logprobs: int | None, num_prompt_tokens: int,
+    ) -> SamplingParams:
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is not None and max_tokens > room:
+            raise OpenAIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"prompt, {max_tokens} in the completion).", param="max_tokens")
+        try:
+            return req.to_sampling_params(room if max_tokens is None else max_tokens, logprobs)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+    def generate(
+        self, prompts: list[tuple[Prompt, SamplingParams]], request_id: str, kv_transfer_params: dict | None,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        self.check_capacity()
+        streams = [
+            self.engine.generate(prompt, params, request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                                 kv_transfer_params)
+            for i, (prompt, params) in enumerate(prompts)
+        ]
+        return merge(streams)
+
+    # ---- completions -----------------------------------------------------------------------
+
+    def prepare_completion(self, req: CompletionRequest) -> list[tuple[Prompt, SamplingParams]]:
+        self.check_model(req.model)
+        prepared = []
+        for prompt in req.prompts():
+            text, token_ids = self.tokenize(prompt)
+            params = self.sampling_params(req, req.max_tokens, req.logprobs, len(token_ids))
+            prepared.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
+        return prepared
+
+    async def completion(self, req: CompletionRequest, request_id: str) -> dict[str, Any]:
+        prompts = self.prepare_completion(req)
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in self.generate(prompts, request_id, req.kv_transfer_params):
+            finals[i] = out
+        choices = [
+            self._completion_choice(i * req.n + c.index, c, c.text)
+            for i in sorted(finals) for c in finals[i].outputs
+        ]
+        return {
+            "id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices, "usage": usage(finals.values()),
+            "kv_transfer_params": _first_kv_params(finals.values()),
+        }
+
+    async def completion_stream(self, req: CompletionRequest, request_id: str) -> AsyncIterator[str]:
+        prompts = self.prepare_completion(req)
+        stream = self.generate(prompts, request_id, req.kv_transfer_params)
+        head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in _reporting_errors(stream):
+            if isinstance(out, str):
+                yield out
+                return
+            finals[i] = out
+            for c in out.outputs:
+                index = i * req.n + c.index
+                chars, tokens = sent.get(index, (0, 0))
+                if len(c.token_ids) == tokens and c.finish_reason is None:
+                    continue
+                sent[index] = (len(c.text), len(c.token_ids))
+                choice = self._completion_choice(index, c, c.text[chars:], tokens)
+                yield sse({**head, "choices": [choice]})
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(finals.values())})
+        yield "data: [DONE]\n\n"
+
+    def _completion_choice(self, index: int, c: CompletionOutput, text: str, first_token: int = 0) -> dict:
+        logprobs = None
+        if c.logprobs is not None:
+            tokens, token_logprobs, top = [], [], []
+            for tid, entry in zip(c.token_ids[first_token:], c.logprobs[first_token:]):
+                tokens.append(entry[tid].decoded_token)
+                token_logprobs.append(entry[tid].logprob)
+                top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
+            logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                        "text_offset": []}
+        return {"index": index, "text": text, "logprobs": logprobs, "token_ids": c.token_ids[first_token:],
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    # ---- chat ------------------------------------------------------------------------------
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> list[tuple[Prompt, SamplingParams]]:
+        self.check_model(req.model)
+        try:
+            token_ids = self.engine.apply_chat_template(req.conversation())
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="messages") from None
+        _, token_ids = self.tokenize({"prompt_token_ids": token_ids})
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        return [({"prompt_token_ids": token_ids}, self.sampling_params(req, max_tokens, top, len(token_ids)))]
+
+    async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
+        prompts = self.prepare_chat(req)
+        final: RequestOutput | None = None
+        async for _, final in self.generate(prompts, request_id, req.kv_transfer_params):
+            pass
+        assert final is not None
+        choices = [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text}, "token_ids": c.token_ids,
+             "logprobs": self._chat_logprobs(c, 0, req.top_logprobs or 0), "finish_reason": c.finish_reason,
+             "stop_reason": c.stop_reason}
+            for c in final.outputs
+        ]
+        return {
+            "id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices, "usage": usage([final]),
+            "kv_transfer_params": final.kv_transfer_params,
+        }
+
+    async def chat_stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
+        prompts = self.prepare_chat(req)
+        stream = self.generate(prompts, request_id, req.kv_transfer_params)
+        head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": self.model_name}
+        for index in range(req.n):
+            delta = {"role": "assistant", "content": ""}
+            yield sse({**head, "choices": [{"index": index, "delta": delta, "finish_reason": None}]})
+        sent: dict[int, tuple[int, int]] = {}
+        final: RequestOutput | None = None
+        async for _, out in _reporting_errors(stream):
+            if isinstance(out, str):
+                yield out
+                return
+            final = out
+            for c in out.outputs:
+                chars, tokens = sent.get(c.index, (0, 0))
+                if len(c.token_ids) == tokens and c.finish_reason is None:
+                    continue
+                sent[c.index] = (len(c.text), len(c.token_ids))
+                choice = {"index": c.index, "delta": {"content": c.text[chars:]}, "token_ids": c.token_ids[tokens:],
+                          "logprobs": self._chat_logprobs(c, tokens, req.top_logprobs or 0), "finish_reason": c.finish_reason}
+                yield sse({**head, "choices": [choice]})
+        if req.stream_options and req.stream_options.include_usage and final is not None:
+            yield sse({**head, "choices": [], "usage": usage([final])})
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _chat_logprobs(c: CompletionOutput, first_token: int, num_top: int) -> dict | None:
+        if c.logprobs is None:
+            return None
+
+        def item(token: str | None, logprob: float) -> dict:
+            token = token or ""
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        content = []
+        for tid, entry in zip(c.token_ids[first_token:], c.logprobs[first_token:]):
+            # The sampled token is in the entry even when it is not among the top ones.
+            top = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num_top]
+            content.append({**item(entry[tid].decoded_token, entry[tid].logprob),
+                            "top_logprobs": [item(lp.decoded_token, lp.logprob) for lp in top]})
+        return {"content": content}
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def usage(outputs: Any) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _first_kv_params(outputs: Any) -> dict | None:
+    return next((o.kv_transfer_params for o in outputs if o.kv_transfer_params is not None), None)
+
+
+async def _reporting_errors(
+    stream: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput | str]]:
+    """Once a stream has begun its status is sent: a failure becomes an error event, then [DONE]."""
+    try:
+        async for item in stream:
+            yield item
+    except (EngineDeadError, RequestRejectedError) as e:
+        code = 503 if isinstance(e, EngineDeadError) else 400
+        yield -1, sse(OpenAIError(code, str(e)).body()) + "data: [DONE]\n\n"

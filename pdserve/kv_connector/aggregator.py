@@ -1,0 +1,38 @@
+"""Across TP workers, a transfer is finished only once every worker reported it (vLLM's
+KVOutputAggregator): the scheduler must not free or promote a request while a rank still reads."""
+
+from __future__ import annotations
+
+from pdserve.outputs import KVConnectorOutput, ModelRunnerOutput
+
+
+class KVOutputAggregator:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._sending: dict[str, int] = {}
+        self._recving: dict[str, int] = {}
+
+    def _count(self, counts: dict[str, int], ids: set[str] | None, done: set[str]) -> None:
+        for req_id in ids or ():
+            counts[req_id] = counts.get(req_id, 0) + 1
+            if counts[req_id] == self.world_size:
+                del counts[req_id]
+                done.add(req_id)
+
+    def aggregate(self, outputs: list[ModelRunnerOutput], output_rank: int) -> ModelRunnerOutput:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        invalid: set[int] = set()
+        stats: dict[str, float] = {}
+        for output in outputs:
+            kv = output.kv_connector_output
+            if kv is None:
+                continue
+            self._count(self._sending, kv.finished_sending, sending)
+            self._count(self._recving, kv.finished_recving, recving)
+            invalid |= kv.invalid_block_ids
+            for name, value in (kv.stats or {}).items():
+                stats[name] = stats.get(name, 0.0) + value
+        result = outputs[output_rank]
+        result.kv_connector_output = KVConnectorOutput(sending or None, recving or None, invalid, stats or None)
+        return result

@@ -1,0 +1,1 @@
+"""NixlConnector: decode workers pull prefill workers' KV blocks (vLLM's NixlConnector, pull mode)."""

@@ -1,0 +1,80 @@
+"""Messages of the NixlConnector: scheduler -> workers, handshake, and peer notifications."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+import pdserve
+
+# Bumped whenever a message below or the KV layout changes meaning.
+NIXL_CONNECTOR_VERSION = 1
+KV_LAYOUT = "block-major:[blocks,layers,2,block_size,kv_heads,head_dim]"
+
+
+class RecvReqMeta(msgspec.Struct, array_like=True):
+    """A request whose KV a decode worker reads from a prefill instance."""
+
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+
+
+class NixlConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
+    reqs_to_recv: dict[str, RecvReqMeta] = msgspec.field(default_factory=dict)
+    # Prefill side: finished requests whose blocks wait for a reader, with their lease expiry
+    # (wall clock: the workers are other processes).
+    reqs_to_send: dict[str, float] = msgspec.field(default_factory=dict)
+    # Decode side: remote engine id -> its request ids still awaited (heartbeats extend leases).
+    heartbeats: dict[str, list[str]] = msgspec.field(default_factory=dict)
+
+
+class AgentMetadata(msgspec.Struct, array_like=True):
+    """One worker rank's answer to a handshake: how to reach its KV cache and how it is laid out."""
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    transport: str
+    agent_metadata: bytes
+    num_blocks: int
+    block_len: int  # bytes of one block, every layer
+    block_size: int
+    num_kv_heads: int  # of this rank
+    head_dim: int
+    num_layers: int
+    dtype: str
+
+
+class HandshakePayload(msgspec.Struct, array_like=True):
+    compatibility_hash: str
+    agent_metadata: bytes  # an encoded AgentMetadata, decoded only once the hash matched
+
+
+class HandshakeRequest(msgspec.Struct, array_like=True):
+    tp_rank: int
+
+
+class Notif(msgspec.Struct, array_like=True):
+    """Decode -> prefill over the transport: `done` after a READ (or instead of one), `heartbeat`
+    while a request waits for its turn to read."""
+
+    kind: str  # "done" | "heartbeat"
+    request_ids: list[str]
+    # Readers the prefill side must hear from before it frees (decode TP > prefill TP).
+    num_readers: int = 1
+
+
+def compatibility_hash(
+    architecture: str, dtype: str, total_num_kv_heads: int, head_dim: int, num_layers: int,
+    block_size: int, transport: str,
+) -> str:
+    """Both sides of a transfer must agree on all of these, or the bytes mean nothing."""
+    factors = (pdserve.__version__, NIXL_CONNECTOR_VERSION, KV_LAYOUT, architecture, dtype,
+               total_num_kv_heads, head_dim, num_layers, block_size, transport)
+    return hashlib.sha256(repr(factors).encode()).hexdigest()[:32]

@@ -1,0 +1,135 @@
+"""The NixlConnector's scheduler role: which requests read, which hold blocks, for how long."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from pdserve import envs
+from pdserve.config import EngineConfig
+from pdserve.kv_connector.nixl.handshake import HandshakeServer
+from pdserve.kv_connector.nixl.metadata import NixlConnectorMetadata, RecvReqMeta
+from pdserve.outputs import KVConnectorOutput
+from pdserve.request import Request, RequestStatus
+from pdserve.scheduler.block_pool import KVCacheBlock
+
+logger = logging.getLogger(__name__)
+
+_REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+class NixlConnectorScheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        kv = config.kv_transfer_config
+        assert kv is not None
+        self.engine_id = kv.engine_id
+        self.lease_duration = kv.kv_lease_duration
+        self.tp_size = config.parallel_config.tensor_parallel_size
+        self.side_channel_host = envs.side_channel_host()
+        self.side_channel_port = envs.side_channel_port()
+        self.server: HandshakeServer | None = None
+        self._reqs_need_recv: dict[str, RecvReqMeta] = {}
+        self._reqs_need_send: dict[str, float] = {}
+        # Decode side: requests waiting for their read, by remote engine (for heartbeats).
+        self._awaited: dict[str, tuple[str, str]] = {}  # request id -> (engine id, remote request id)
+        # Decode side: reads (empty ones too) the workers have not reported done. Unlike
+        # heartbeats they outlive an abort: the blocks stay held, and the engine must keep
+        # polling the workers, until the read ends.
+        self._reading: set[str] = set()
+        self._last_heartbeat = 0.0
+        # Prefill side: requests holding blocks for a reader; decode side: reads in flight.
+        self.num_held = 0
+        self.stats: dict[str, float] = {}
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, bytes]) -> None:
+        self.server = HandshakeServer(self.side_channel_host, self.side_channel_port, metadata)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            count = request.num_prompt_tokens - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        missing = [f for f in _REMOTE_FIELDS if params.get(f) is None]
+        if missing:
+            logger.warning("Request %s: kv_transfer_params lack %s; it prefills locally.",
+                           request.request_id, ", ".join(missing))
+        else:
+            # Blocks a local prefix hit filled are hashed; the rest wait for the remote bytes.
+            # A full local hit reads nothing but must still tell the prefill side to free.
+            local = [b.block_id for b in blocks if b.block_hash is None] if num_external_tokens else []
+            self._reqs_need_recv[request.request_id] = RecvReqMeta(
+                local, list(params["remote_block_ids"]), params["remote_engine_id"],
+                params["remote_request_id"], params["remote_host"], int(params["remote_port"]),
+                int(params.get("tp_size") or 1),
+            )
+            self._awaited[request.request_id] = (params["remote_engine_id"], params["remote_request_id"])
+            self._reading.add(request.request_id)
+        # One transfer per request, also after a preemption.
+        params["do_remote_prefill"] = False
+
+    def build_connector_meta(self) -> NixlConnectorMetadata:
+        meta = NixlConnectorMetadata(self._reqs_need_recv, self._reqs_need_send)
+        now = time.monotonic()
+        if self._awaited and now - self._last_heartbeat >= self.lease_duration / 6:
+            self._last_heartbeat = now
+            for engine_id, remote_id in self._awaited.values():
+                meta.heartbeats.setdefault(engine_id, []).append(remote_id)
+        self._reqs_need_recv, self._reqs_need_send = {}, {}
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._awaited.pop(request.request_id, None)
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Finished (aborted) before it was ever scheduled: no read will come, so tell the
+            # prefill side to free, with an empty read.
+            if all(params.get(f) is not None for f in _REMOTE_FIELDS):
+                self._reqs_need_recv[request.request_id] = RecvReqMeta(
+                    [], list(params["remote_block_ids"]), params["remote_engine_id"],
+                    params["remote_request_id"], params["remote_host"], int(params["remote_port"]),
+                    int(params.get("tp_size") or 1),
+                )
+                self._reading.add(request.request_id)
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted: nobody will read
+        delay = len(block_ids) > 0
+        if delay:
+            self._reqs_need_send[request.request_id] = time.time() + self.lease_duration
+            self.num_held += 1
+        return delay, {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(block_ids),
+            "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
+            "remote_host": self.side_channel_host,
+            "remote_port": self.server.port if self.server else self.side_channel_port,
+            "tp_size": self.tp_size, "remote_num_tokens": request.num_computed_tokens,
+        }
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.num_held = max(0, self.num_held - len(output.finished_sending or ()))
+        for req_id in output.finished_recving or ():
+            self._awaited.pop(req_id, None)
+            self._reading.discard(req_id)
+        for name, value in (output.stats or {}).items():
+            self.stats[name] = self.stats.get(name, 0.0) + value
+
+    def has_pending_transfers(self) -> bool:
+        return self.num_held > 0 or bool(self._reading)
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None

@@ -1,0 +1,291 @@
+"""The NixlConnector's worker role: handshake, READ the prefill side's blocks, hold leases.
+
+Decode side: a request to load is parked until its prefill engine is known (a handshake in a
+background thread), then READ block runs straight into the KV cache (equal TP) or into a staging
+area from which this rank's heads are copied (heterogeneous TP). The prefill side is told by the
+transport's notification when the bytes have left. Prefill side: finished requests hold their
+blocks under a lease; a `done` notification from every reader frees them, heartbeats extend
+the lease, expiry frees them anyway. Nothing here raises out of a step: a failure ends the one
+request (its blocks reported invalid) and is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from pdserve import envs
+from pdserve.config import EngineConfig
+from pdserve.kv_connector.nixl.handshake import HandshakeError, fetch_agent_metadata
+from pdserve.kv_connector.nixl.metadata import (
+    AgentMetadata,
+    HandshakePayload,
+    NixlConnectorMetadata,
+    Notif,
+    RecvReqMeta,
+    compatibility_hash,
+)
+from pdserve.kv_connector.nixl.topology import RemoteEngine, Topology
+from pdserve.kv_connector.transport.base import XferState, block_descs, make_transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    """The reads of one request in flight (one per remote rank it reads from)."""
+
+    meta: RecvReqMeta
+    local_block_ids: list[int]
+    handles: list[int]
+    remote_tp: int
+    start: float
+    num_bytes: int
+    num_descs: int
+
+
+@dataclass
+class _Lease:
+    expiry: float
+    reads_seen: int = 0
+    readers_needed: int = 1
+
+
+class NixlConnectorWorker:
+    def __init__(self, config: EngineConfig, tp_rank: int) -> None:
+        kv = config.kv_transfer_config
+        assert kv is not None
+        mc = config.model_config
+        self.engine_id = kv.engine_id
+        self.tp_rank = tp_rank
+        self.tp_size = config.parallel_config.tensor_parallel_size
+        self.block_size = config.cache_config.block_size
+        self.lease_duration = kv.kv_lease_duration
+        self.handshake_timeout = kv.handshake_timeout
+        self.transport_name = kv.transport
+        self.dtype = str(mc.torch_dtype).removeprefix("torch.")
+        self.compat_hash = compatibility_hash(
+            mc.architecture, self.dtype, mc.num_kv_heads, mc.head_dim, mc.num_layers, self.block_size,
+            kv.transport,
+        )
+        self.expected_hash = self.compat_hash if kv.enforce_handshake_compat else None
+        self.transport = make_transport(kv.transport, f"{self.engine_id}:{tp_rank}",
+                                        envs.side_channel_host(), kv.transfer_timeout)
+        self.kv_cache: torch.Tensor | None = None
+        self.topology: Topology | None = None
+        self._meta = NixlConnectorMetadata()
+        self._handshaker = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-handshake")
+        self._handshakes: dict[str, Future[RemoteEngine]] = {}
+        self._engines: dict[str, RemoteEngine] = {}
+        self._waiting: dict[str, RecvReqMeta] = {}  # for their engine's handshake
+        self._loads: dict[str, _Load] = {}
+        self._done_recving: set[str] = set()
+        self._invalid_block_ids: set[int] = set()
+        self._leases: dict[str, _Lease] = {}
+        self._done_sending: set[str] = set()
+        # Done notifications that beat their lease: request id -> (count, when), and readers.
+        self._early_reads: dict[str, tuple[int, float]] = {}
+        self._readers_needed: dict[str, int] = {}
+        self._stats: dict[str, float] = {}
+
+    # ---- set-up -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.transport.register_region(kv_cache)
+        self.topology = Topology(kv_cache, self.tp_rank, self.tp_size, self.transport)
+
+    def get_handshake_metadata(self) -> bytes:
+        assert self.kv_cache is not None
+        cache = self.kv_cache
+        meta = AgentMetadata(
+            self.engine_id, self.tp_rank, self.tp_size, self.transport_name,
+            self.transport.get_agent_metadata(), cache.shape[0], cache[0].nbytes, self.block_size,
+            cache.shape[4], cache.shape[5], cache.shape[1], self.dtype,
+        )
+        return msgspec.msgpack.encode(HandshakePayload(self.compat_hash, msgspec.msgpack.encode(meta)))
+
+    # ---- each step --------------------------------------------------------------------------
+
+    def bind(self, meta: NixlConnectorMetadata) -> None:
+        self._meta = meta
+
+    def start_load_kv(self) -> None:
+        meta, self._meta = self._meta, NixlConnectorMetadata()
+        for req_id, expiry in meta.reqs_to_send.items():
+            lease = self._leases[req_id] = _Lease(expiry)
+            if req_id in self._early_reads:
+                lease.reads_seen = self._early_reads.pop(req_id)[0]
+                lease.readers_needed = self._readers_needed.pop(req_id)
+                self._settle(req_id, lease)
+        self._waiting.update(meta.reqs_to_recv)
+        for engine_id, remote_ids in meta.heartbeats.items():
+            engine = self._engines.get(engine_id)
+            if engine is not None:
+                self._notify(engine, Notif("heartbeat", remote_ids))
+        self._start_loads()
+
+    def _start_loads(self) -> None:
+        for req_id, meta in list(self._waiting.items()):
+            engine = self._engines.get(meta.remote_engine_id)
+            if engine is None:
+                future = self._handshakes.get(meta.remote_engine_id)
+                if future is None:
+                    self._handshakes[meta.remote_engine_id] = self._handshaker.submit(self._handshake, meta)
+                continue
+            del self._waiting[req_id]
+            try:
+                self._read(req_id, meta, engine)
+            except Exception as e:  # a bad descriptor, a vanished agent: this request only
+                logger.error("KV load of request %s failed to start: %s", req_id, e)
+                self._fail(req_id, meta.local_block_ids, "failed_transfers")
+
+    def _handshake(self, meta: RecvReqMeta) -> RemoteEngine:
+        assert self.topology is not None
+        ranks = self.topology.remote_ranks(meta.remote_tp_size)
+        agents = []
+        for rank in ranks:
+            remote = fetch_agent_metadata(meta.remote_host, meta.remote_port, rank, self.expected_hash,
+                                          meta.remote_engine_id, self.handshake_timeout)
+            self.topology.check_compatible(remote, meta.remote_tp_size)
+            agents.append((self.transport.add_remote_agent(remote.agent_metadata), remote))
+        return RemoteEngine(meta.remote_engine_id, meta.remote_tp_size, agents)
+
+    def _read(self, req_id: str, meta: RecvReqMeta, engine: RemoteEngine) -> None:
+        assert self.topology is not None
+        local = meta.local_block_ids
+        notif = Notif("done", [meta.remote_request_id], self.topology.readers_per_remote_rank(engine.tp_size))
+        if not local:  # a full local prefix hit, or an abort: the prefill side only needs to free
+            self._notify(engine, notif)
+            self._done_recving.add(req_id)
+            return
+        if len(meta.remote_block_ids) < len(local):
+            raise ValueError(f"{len(local)} local blocks to fill but the prefill side has "
+                             f"{len(meta.remote_block_ids)}")
+        # The local prefix hit covers the first blocks: read the last ones.
+        remote = meta.remote_block_ids[len(meta.remote_block_ids) - len(local):]
+        encoded = msgspec.msgpack.encode(notif)
+        handles, num_bytes, num_descs = [], 0, 0
+        for j, (agent, remote_meta) in enumerate(engine.agents):
+            region, targets = self.topology.read_target(local, j, engine.tp_size, remote_meta.block_len)
+            local_descs, remote_descs = block_descs(region, targets, 0, remote, remote_meta.block_len)
+            handles.append(self.transport.read(agent, local_descs, remote_descs, encoded))
+            num_bytes += sum(d.length for d in local_descs)
+            num_descs += len(local_descs)
+        self._loads[req_id] = _Load(meta, local, handles, engine.tp_size, time.perf_counter(), num_bytes, num_descs)
+
+    def _notify(self, engine: RemoteEngine, notif: Notif) -> None:
+        msg = msgspec.msgpack.encode(notif)
+        for agent, _ in engine.agents:
+            try:
+                self.transport.send_notif(agent, msg)
+            except Exception as e:
+                logger.warning("Notification to %s failed: %s", agent, e)
+                self._count("failed_notifications")
+
+    def _fail(self, req_id: str, block_ids: list[int], counter: str) -> None:
+        self._invalid_block_ids.update(block_ids)
+        self._done_recving.add(req_id)
+        self._count(counter)
+
+    def _count(self, name: str, value: float = 1.0) -> None:
+        self._stats[name] = self._stats.get(name, 0.0) + value
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._finish_handshakes()
+        self._poll_notifications()
+        now = time.time()
+        for req_id in [r for r, lease in self._leases.items() if lease.expiry < now]:
+            del self._leases[req_id]
+            logger.warning("Releasing the KV blocks of request %s: its lease expired unread.", req_id)
+            self._count("expired_leases")
+            self._done_sending.add(req_id)
+        for req_id in [r for r, (_, seen) in self._early_reads.items() if seen < now - self.lease_duration]:
+            # Its lease never came (aborted here before it finished): forget it.
+            del self._early_reads[req_id]
+            self._readers_needed.pop(req_id, None)
+        self._poll_loads()
+        done_sending, self._done_sending = self._done_sending, set()
+        done_recving, self._done_recving = self._done_recving, set()
+        return done_sending or None, done_recving or None
+
+    def _finish_handshakes(self) -> None:
+        for engine_id, future in list(self._handshakes.items()):
+            if not future.done():
+                continue
+            del self._handshakes[engine_id]
+            try:
+                self._engines[engine_id] = future.result()
+            except Exception as e:  # HandshakeError, an incompatible layout, a transport error
+                logger.error("KV handshake with engine %s failed: %s", engine_id, e)
+                self._count("handshake_failures")
+                for req_id, meta in list(self._waiting.items()):
+                    if meta.remote_engine_id == engine_id:
+                        del self._waiting[req_id]
+                        self._fail(req_id, meta.local_block_ids, "failed_transfers")
+        self._start_loads()
+
+    def _poll_notifications(self) -> None:
+        for sender, msg in self.transport.get_new_notifs():
+            try:
+                notif = msgspec.msgpack.decode(msg, type=Notif)
+            except msgspec.DecodeError:
+                logger.warning("Dropped an undecodable notification from %s", sender)
+                self._count("failed_notifications")
+                continue
+            for req_id in notif.request_ids:
+                lease = self._leases.get(req_id)
+                if notif.kind == "heartbeat":
+                    if lease is not None:
+                        lease.expiry = max(lease.expiry, time.time() + self.lease_duration * 2 / 3)
+                elif lease is None:
+                    # Read before this worker saw the lease (it comes with the next step).
+                    count, _ = self._early_reads.get(req_id, (0, 0.0))
+                    self._early_reads[req_id] = (count + 1, time.time())
+                    self._readers_needed[req_id] = notif.num_readers
+                else:
+                    lease.reads_seen += 1
+                    lease.readers_needed = notif.num_readers
+                    self._settle(req_id, lease)
+
+    def _settle(self, req_id: str, lease: _Lease) -> None:
+        if lease.reads_seen >= lease.readers_needed:
+            del self._leases[req_id]
+            self._done_sending.add(req_id)
+
+    def _poll_loads(self) -> None:
+        assert self.topology is not None
+        for req_id, load in list(self._loads.items()):
+            states = [self.transport.check_state(h) for h in load.handles]
+            if XferState.PENDING in states:
+                continue
+            del self._loads[req_id]
+            for handle in load.handles:
+                self.transport.release(handle)
+            if XferState.ERROR in states:
+                logger.error("KV load of request %s from engine %s failed.", req_id, load.meta.remote_engine_id)
+                self._fail(req_id, load.local_block_ids, "failed_transfers")
+                continue
+            self.topology.finish(load.local_block_ids, load.remote_tp)
+            self._done_recving.add(req_id)
+            self._count("transfers")
+            self._count("transfer_seconds", time.perf_counter() - load.start)
+            self._count("transfer_bytes", load.num_bytes)
+            self._count("transfer_descriptors", load.num_descs)
+
+    def take_invalid_block_ids(self) -> set[int]:
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
+
+    def take_stats(self) -> dict[str, float]:
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def shutdown(self) -> None:
+        self._handshaker.shutdown(wait=False, cancel_futures=True)
+        self.transport.shutdown()

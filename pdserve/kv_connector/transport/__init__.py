@@ -1,0 +1,12 @@
+"""KV transport: READ byte ranges of a peer's registered memory, with a notification to its owner."""
+
+from pdserve.kv_connector.transport.base import (
+    BACKENDS,
+    Desc,
+    Transport,
+    XferState,
+    block_descs,
+    make_transport,
+)
+
+__all__ = ["BACKENDS", "Desc", "Transport", "XferState", "block_descs", "make_transport"]

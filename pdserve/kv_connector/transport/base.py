@@ -1,0 +1,175 @@
+"""The KV transport contract: register memory, exchange metadata, READ byte ranges from a peer.
+
+A reader pulls byte ranges of a peer's registered regions into its own; when every byte has
+arrived the owner of the remote memory gets the reader's `notif`, so it knows it may free the
+blocks. Failure never raises out of a transfer: a peer that dies or stops answering turns the
+transfer into `XferState.ERROR` after `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+
+class XferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    ERROR = "error"
+
+
+class Desc(msgspec.Struct, array_like=True, frozen=True):
+    """A byte range [offset, offset + length) of registered region `region`."""
+
+    region: int
+    offset: int
+    length: int
+
+
+class Transport(abc.ABC):
+    """One agent: its registered regions, the peers it knows and the transfers it started.
+
+    Register every region before `get_agent_metadata()`: the metadata carries the region table
+    peers validate their descriptors against.
+    """
+
+    name: str
+
+    def __init__(self, agent_name: str, host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
+        self.agent_name = agent_name
+        self.host = host
+        self.timeout_s = timeout_s
+        # Held so the memory outlives every transfer that may touch it.
+        self._tensors: list[torch.Tensor] = []
+
+    def _add_region(self, tensor: torch.Tensor) -> int:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
+            raise ValueError(
+                f"register_region needs a non-empty contiguous CPU tensor, got device="
+                f"{tensor.device}, contiguous={tensor.is_contiguous()}, numel={tensor.numel()}."
+            )
+        self._tensors.append(tensor)
+        return len(self._tensors) - 1
+
+    def _region_sizes(self) -> list[int]:
+        return [t.numel() * t.element_size() for t in self._tensors]
+
+    @abc.abstractmethod
+    def register_region(self, tensor: torch.Tensor) -> int:
+        """Register a contiguous CPU tensor; returns its region index (0, 1, ...)."""
+
+    @abc.abstractmethod
+    def get_agent_metadata(self) -> bytes:
+        """Everything a peer needs to reach this agent and its regions."""
+
+    @abc.abstractmethod
+    def add_remote_agent(self, metadata: bytes) -> str:
+        """Learn a peer from its metadata; returns its name. Same metadata again is a no-op."""
+
+    @abc.abstractmethod
+    def remove_remote_agent(self, agent_name: str) -> None:
+        """Forget a peer; its transfers in flight end in ERROR."""
+
+    @abc.abstractmethod
+    def read(self, remote_agent: str, local: list[Desc], remote: list[Desc], notif: bytes) -> int:
+        """READ remote[i] into local[i] for every i; the owner gets `notif` once all arrived."""
+
+    @abc.abstractmethod
+    def check_state(self, handle: int) -> XferState:
+        """Non-blocking state of a transfer started by `read`."""
+
+    @abc.abstractmethod
+    def release(self, handle: int) -> None:
+        """Forget a finished transfer (DONE or ERROR)."""
+
+    @abc.abstractmethod
+    def send_notif(self, remote_agent: str, msg: bytes) -> None:
+        """Send a small message to a peer; it shows up in the peer's `get_new_notifs()`."""
+
+    @abc.abstractmethod
+    def get_new_notifs(self) -> list[tuple[str, bytes]]:
+        """(sender agent name, message) received since the last call."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release every resource; safe to call twice."""
+
+
+def check_descs(
+    local: Sequence[Desc], remote: Sequence[Desc], local_sizes: list[int], remote_sizes: list[int]
+) -> None:
+    """Raise ValueError unless local[i] and remote[i] are equal-length ranges inside their regions."""
+    if not local:
+        raise ValueError("read needs at least one descriptor (send_notif carries a bare message).")
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local descriptors but {len(remote)} remote ones.")
+    for i, (ld, rd) in enumerate(zip(local, remote)):
+        if ld.length != rd.length:
+            raise ValueError(f"descriptor {i}: local length {ld.length} != remote {rd.length}.")
+        for side, d, sizes in (("local", ld, local_sizes), ("remote", rd, remote_sizes)):
+            if not 0 <= d.region < len(sizes):
+                raise ValueError(f"descriptor {i}: {side} region {d.region} of {len(sizes)}.")
+            if d.length <= 0 or d.offset < 0 or d.offset + d.length > sizes[d.region]:
+                raise ValueError(
+                    f"descriptor {i}: {side} range [{d.offset}, {d.offset + d.length}) outside "
+                    f"region {d.region} of {sizes[d.region]} bytes."
+                )
+
+
+def block_descs(
+    local_region: int,
+    local_block_ids: Sequence[int],
+    remote_region: int,
+    remote_block_ids: Sequence[int],
+    block_len: int,
+) -> tuple[list[Desc], list[Desc]]:
+    """Pair local block i with remote block i, one descriptor per run consecutive on both sides."""
+    if len(local_block_ids) != len(remote_block_ids):
+        raise ValueError(
+            f"{len(local_block_ids)} local blocks but {len(remote_block_ids)} remote blocks."
+        )
+    if block_len <= 0:
+        raise ValueError(f"block_len must be positive, got {block_len}.")
+    local: list[Desc] = []
+    remote: list[Desc] = []
+    n = len(local_block_ids)
+    start = 0
+    while start < n:
+        end = start + 1
+        while (
+            end < n
+            and local_block_ids[end] == local_block_ids[end - 1] + 1
+            and remote_block_ids[end] == remote_block_ids[end - 1] + 1
+        ):
+            end += 1
+        length = (end - start) * block_len
+        local.append(Desc(local_region, local_block_ids[start] * block_len, length))
+        remote.append(Desc(remote_region, remote_block_ids[start] * block_len, length))
+        start = end
+    return local, remote
+
+
+BACKENDS = ("nixl", "ucx")
+
+
+def make_transport(
+    name: str, agent_name: str, host: str = "127.0.0.1", timeout_s: float = 10.0
+) -> Transport:
+    """The transport `name` ("nixl" or "ucx"); its library is imported only when chosen."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(BACKENDS)}.")
+    try:
+        if name == "nixl":
+            from pdserve.kv_connector.transport.nixl import NixlTransport as cls
+        else:
+            from pdserve.kv_connector.transport.ucx import UcxTransport as cls
+    except ImportError as e:
+        package = "nixl-cu12 and nixl" if name == "nixl" else "ucxx-cu12"
+        raise RuntimeError(f"transport {name!r} needs {package} installed ({e}).") from e
+    return cls(agent_name, host, timeout_s)

@@ -1,0 +1,185 @@
+"""The serving benchmark client against a small OpenAI-compatible streaming peer run in the test.
+
+The peer streams two tokens per chunk and reports the true count in a final usage chunk, so token
+totals show whether the client reads usage or counts chunks. One prompt gets a 500, another a
+stream without usage (the client must fall back to counting chunks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from aiohttp import web
+
+from pdserve.entrypoints.bench_serve import (
+    CHAT, COMPLETIONS, add_bench_serve_args, benchmark, format_table, run_bench_serve,
+)
+
+MODEL = "fake-model"
+FAIL_PROMPT = "please fail"
+NO_USAGE_PROMPT = "no usage please"
+CHUNK_DELAY_S = 0.003
+TOKENS_PER_CHUNK = 2
+
+
+class FakeServer:
+    """Records what it was sent and how many requests were in flight at once."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.in_flight = 0
+        self.peak_in_flight = 0
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        prompt = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
+        if prompt == FAIL_PROMPT:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            return await self._stream(request, body, prompt)
+        finally:
+            self.in_flight -= 1
+
+    async def _stream(self, request: web.Request, body: dict, prompt: str) -> web.StreamResponse:
+        chat = "messages" in body
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def send(chunk: dict) -> None:
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        if chat:  # as OpenAI: the first chat chunk carries the role and no text
+            await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        await resp.write(b": keep-alive\n\n")
+        for _ in range(body["max_tokens"] // TOKENS_PER_CHUNK):
+            await asyncio.sleep(CHUNK_DELAY_S)
+            text = "ab" * TOKENS_PER_CHUNK
+            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            await send({"choices": [choice]})
+        if body.get("stream_options", {}).get("include_usage") and prompt != NO_USAGE_PROMPT:
+            prompt_tokens = len(prompt.split())
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": body["max_tokens"],
+                     "total_tokens": prompt_tokens + body["max_tokens"]}
+            await send({"choices": [], "usage": usage})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[FakeServer, str]]:
+    """(fake, base_url); its own loop in a thread, so synchronous code (run_bench_serve) can call it."""
+    fake = FakeServer()
+    app = web.Application()
+    app.router.add_get("/v1/models", fake.models)
+    app.router.add_post(COMPLETIONS, fake.generate)
+    app.router.add_post(CHAT, fake.generate)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    host, port = runner.addresses[0][:2]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield fake, f"http://{host}:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+def assert_latencies_sane(result: dict) -> None:
+    for name in ("ttft", "itl", "e2el"):
+        assert 0 < result[f"p50_{name}_ms"] <= result[f"p90_{name}_ms"] <= result[f"p99_{name}_ms"]
+    assert result["mean_ttft_ms"] < result["mean_e2el_ms"]
+    assert result["p99_ttft_ms"] <= result["p99_e2el_ms"]
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_counts_tokens_and_failures(server: tuple[FakeServer, str], endpoint: str) -> None:
+    fake, url = server
+    prompts = ["hello there"] * 6 + [FAIL_PROMPT, NO_USAGE_PROMPT]
+    max_tokens = 8
+    result = asyncio.run(benchmark(url, endpoint, MODEL, prompts, float("inf"), max_tokens, seed=0))
+
+    assert (result["completed"], result["failed"]) == (7, 1)
+    [error] = result["errors"]
+    assert error.startswith("HTTP 500") and "boom" in error
+    # Six from usage; the one without usage counts its chunks.
+    assert result["total_output_tokens"] == 6 * max_tokens + max_tokens // TOKENS_PER_CHUNK
+    assert result["total_input_tokens"] == 6 * 2
+    assert result["output_throughput"] == pytest.approx(result["total_output_tokens"] / result["duration"])
+    assert_latencies_sane(result)
+    # TTFT waits for text: the role-only chat chunk and the keep-alive comment come before it.
+    assert result["p50_ttft_ms"] >= CHUNK_DELAY_S * 1000 * 0.8
+    for body in fake.bodies:
+        assert body["stream"] and body["stream_options"] == {"include_usage": True}
+        assert body["temperature"] == 0 and body["ignore_eos"] is True and body["model"] == MODEL
+
+
+def test_poisson_arrivals_and_concurrency_limit(server: tuple[FakeServer, str]) -> None:
+    fake, url = server
+    num_prompts, rate = 20, 50.0
+    result = asyncio.run(benchmark(url, COMPLETIONS, MODEL, ["x"] * num_prompts, rate, 4, seed=1))
+    assert result["completed"] == num_prompts
+    # 20 arrivals at 50/s span about 0.4 s; all at once they take a few chunk delays.
+    assert result["duration"] >= 0.4 * num_prompts / rate
+
+    fake.peak_in_flight = 0
+    result = asyncio.run(benchmark(url, COMPLETIONS, MODEL, ["x"] * 8, float("inf"), 4, seed=1,
+                                   max_concurrency=2, ignore_eos=False))
+    assert result["completed"] == 8 and fake.peak_in_flight <= 2
+    assert "ignore_eos" not in fake.bodies[-1]
+
+
+def test_run_bench_serve_writes_json_and_table(
+    server: tuple[FakeServer, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, url = server
+    parser = argparse.ArgumentParser()
+    add_bench_serve_args(parser)
+    out = tmp_path / "result.json"
+    args = parser.parse_args(["--base-url", url, "--num-prompts", "40", "--max-tokens", "4",
+                              "--label", "fake", "--result-json", str(out)])
+    start = time.perf_counter()
+    result = run_bench_serve(args)
+    assert time.perf_counter() - start < 5
+
+    assert result["model"] == MODEL  # asked /v1/models
+    assert (result["completed"], result["failed"]) == (40, 0)
+    assert result["request_rate"] == "inf"
+    assert json.loads(out.read_text()) == result
+    printed = capsys.readouterr().out
+    assert "fake" in printed and "P99 TTFT (ms)" in printed
+
+
+def test_format_table_side_by_side(server: tuple[FakeServer, str]) -> None:
+    _, url = server
+
+    async def both() -> list[dict]:
+        return [
+            await benchmark(url, COMPLETIONS, MODEL, ["a b"] * 4, float("inf"), 4, 0, label="prefill-heavy"),
+            await benchmark(url, CHAT, MODEL, ["a b"] * 4, float("inf"), 4, 0, label="decode"),
+        ]
+
+    table = format_table(asyncio.run(both()))
+    lines = table.splitlines()
+    assert lines[0].split()[1:] == ["prefill-heavy", "decode"]
+    assert len({len(line) for line in lines}) == 1  # columns aligned
+    successful = next(line for line in lines if line.startswith("Successful requests"))
+    assert successful.split()[-2:] == ["4", "4"]

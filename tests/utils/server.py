@@ -1,0 +1,132 @@
+"""A real `pdserve serve` (or proxy) process for tests: started, awaited, stopped, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from pdserve.utils import get_open_port
+from tests.utils.procs import pid_alive, wait_until_gone
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (read from /proc, Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+class RemoteServer:
+    """`RemoteServer(["serve", "--model", m, ...])` runs `pdserve <args> --port <free port>`."""
+
+    def __init__(self, args: list[str], startup_timeout: float = 240.0, env: dict[str, str] | None = None,
+                 api_key: str | None = None) -> None:
+        self.port = get_open_port()
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        args = [*args, "--api-key", api_key] if api_key else args
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-test-{self.port}.log"
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.entrypoints.cli", *args, "--port", str(self.port)],
+            cwd=_REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+        self.all_pids: list[int] = [self.proc.pid]
+        try:
+            self._wait_healthy(startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.all_pids = [self.proc.pid, *descendants(self.proc.pid)]
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy in {timeout:.0f} s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "none"),
+                             max_retries=0, **kwargs)
+
+    def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "none"),
+                                  max_retries=0, **kwargs)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the first `pdserve:<name>` sample with these labels (0 if none yet)."""
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
+        for line in text.splitlines():
+            if (line.startswith(f"pdserve:{name}{{") or line.startswith(f"pdserve:{name} ")) and all(
+                w in line for w in wanted
+            ):
+                return float(line.rsplit(" ", 1)[1])
+        if labels:
+            return 0.0
+        raise KeyError(name)
+
+    def wait_pool_full(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            free, total = self.metric("kv_cache_free_blocks"), self.metric("kv_cache_total_blocks")
+            if free == total - 1 and self.metric("num_requests_running") == 0:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"block pool not full after {timeout} s: {free} free of {total - 1}")
+
+    def stop(self, timeout: float = 30.0) -> list[int]:
+        """SIGTERM, then SIGKILL; returns the processes (this one and below) still alive."""
+        pids = [p for p in dict.fromkeys(self.all_pids + descendants(self.proc.pid))]
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        left = wait_until_gone(pids, timeout)
+        for pid in left:  # never leave them behind, even when the test fails on it
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.log.close()
+        return left
+
+    def __enter__(self) -> "RemoteServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
