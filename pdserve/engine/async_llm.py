@@ -104,8 +104,14 @@ class AsyncLLM:
         self.client.abort_requests(self.output_processor.abort_request(request_id))
         self.metrics.request_ended(request_id, reason)
 
-    async def get_stats(self) -> SchedulerStats:
-        return msgspec.convert(await self.client.call_utility("get_stats"), SchedulerStats)
+    async def refresh_stats(self) -> SchedulerStats:
+        """Ask the engine for fresh numbers (it reports by itself only when it does something)."""
+        scheduler_stats, kv_stats = await self.client.call_utility("get_stats")
+        stats = msgspec.convert(scheduler_stats, SchedulerStats)
+        self.metrics.record_scheduler_stats(stats)
+        if kv_stats:
+            self.metrics.record_kv_connector_stats(kv_stats)
+        return stats
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))

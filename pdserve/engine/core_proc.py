@@ -27,6 +27,7 @@ from pdserve.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from pdserve.scheduler.scheduler import SchedulerStats
 from pdserve.utils import exit_with_parent
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,13 @@ class EngineCoreProc:
         self.abort_decoder = msgspec.msgpack.Decoder(list[str])
         self.utility_decoder = msgspec.msgpack.Decoder(UtilityCall)
         self.utilities: dict[str, Callable[..., Any]] = {
-            "get_stats": self.engine.scheduler.make_stats,
+            "get_stats": self._stats,
             "reset_prefix_cache": self.engine.scheduler.reset_prefix_cache,
         }
+
+    def _stats(self) -> tuple[SchedulerStats, dict[str, float] | None]:
+        connector = self.engine.kv_connector
+        return self.engine.scheduler.make_stats(), connector.get_stats() if connector else None
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -69,10 +74,9 @@ class EngineCoreProc:
             changed = bool(events) and self._drain_inputs(rejected)
             outputs = self.engine.step()
             if outputs or changed or rejected:
-                self._send(EngineCoreOutputs(
-                    time.time(), outputs, self.engine.scheduler.make_stats(), rejected=rejected or None,
-                    kv_connector_stats=self.engine.kv_connector.get_stats() if self.engine.kv_connector else None,
-                ))
+                scheduler_stats, kv_stats = self._stats()
+                self._send(EngineCoreOutputs(time.time(), outputs, scheduler_stats, kv_stats,
+                                             rejected=rejected or None))
 
     def _drain_inputs(self, rejected: dict[str, str]) -> bool:
         changed = False

@@ -27,7 +27,7 @@ from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.entrypoints.openai.serving import OpenAIServing
+from pdserve.entrypoints.openai.serving import OpenAIServing, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None,
     async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(OpenAIError(503, f"The engine is not available: {e}"))
 
+    @app.exception_handler(RequestFailedError)
+    async def failed(request: Request, e: RequestFailedError) -> JSONResponse:
+        return error_response(OpenAIError(500, str(e)))
+
     @app.exception_handler(RequestRejectedError)
     async def rejected(request: Request, e: RequestRejectedError) -> JSONResponse:
         return error_response(OpenAIError(400, str(e)))
@@ -149,7 +153,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None,
         if engine.dead_reason is None:
             # Fresh numbers: the engine only reports by itself when it does something.
             try:
-                engine.metrics.record_scheduler_stats(await engine.get_stats())
+                await engine.refresh_stats()
             except (asyncio.TimeoutError, EngineDeadError):
                 pass
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)

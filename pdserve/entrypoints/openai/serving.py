@@ -101,7 +101,7 @@ class OpenAIServing:
                                  kv_transfer_params)
             for i, (prompt, params) in enumerate(prompts)
         ]
-        return merge(streams)
+        return _raising_on_error(merge(streams))
 
     # ---- completions -----------------------------------------------------------------------
 
@@ -256,6 +256,22 @@ def _first_kv_params(outputs: Any) -> dict | None:
     return next((o.kv_transfer_params for o in outputs if o.kv_transfer_params is not None), None)
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended the request with an error (today: its KV cache could not be loaded)."""
+
+
+async def _raising_on_error(
+    stream: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async for i, out in stream:
+        if any(c.finish_reason == "error" for c in out.outputs):
+            raise RequestFailedError(
+                f"Request {out.request_id} failed in the engine: its KV cache could not be loaded "
+                "from the prefill instance (this instance's log says why)."
+            )
+        yield i, out
+
+
 async def _reporting_errors(
     stream: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[tuple[int, RequestOutput | str]]:
@@ -263,6 +279,6 @@ async def _reporting_errors(
     try:
         async for item in stream:
             yield item
-    except (EngineDeadError, RequestRejectedError) as e:
-        code = 503 if isinstance(e, EngineDeadError) else 400
+    except (EngineDeadError, RequestRejectedError, RequestFailedError) as e:
+        code = {EngineDeadError: 503, RequestRejectedError: 400}.get(type(e), 500)
         yield -1, sse(OpenAIError(code, str(e)).body()) + "data: [DONE]\n\n"

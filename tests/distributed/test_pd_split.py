@@ -1,0 +1,99 @@
+"""A prefill instance and a decode instance in separate processes give a single instance's
+tokens, for each transport, runner, and TP layout (tiny llama: 4 heads, 2 KV heads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from tests.utils.pd import split_request, start_instance
+from tests.utils.tiny_models import hf_greedy
+
+MAX_TOKENS = 12
+# Token prompts: under one block, exactly two blocks, several blocks plus a partial one.
+PROMPTS = [[7, 8, 9], list(range(10, 42)), [(i * 37) % 400 + 5 for i in range(75)], list(range(3, 20))]
+
+CASES = [
+    pytest.param("nixl", 1, 1, "1", id="nixl-tp1-tp1-v2"),
+    pytest.param("ucx", 1, 1, "0", id="ucx-tp1-tp1-v1"),
+    pytest.param("nixl", 1, 2, "1", id="nixl-tp1-tp2-v2", marks=pytest.mark.slow),
+    pytest.param("nixl", 2, 1, "0", id="nixl-tp2-tp1-v1", marks=pytest.mark.slow),
+    pytest.param("ucx", 1, 2, "0", id="ucx-tp1-tp2-v1", marks=pytest.mark.slow),
+    pytest.param("ucx", 2, 1, "1", id="ucx-tp2-tp1-v2", marks=pytest.mark.slow),
+    pytest.param("nixl", 1, 1, "0", id="nixl-tp1-tp1-v1", marks=pytest.mark.slow),
+    pytest.param("ucx", 1, 1, "1", id="ucx-tp1-tp1-v2", marks=pytest.mark.slow),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Callable[[str], str]) -> list[list[int]]:
+    return hf_greedy(Path(tiny_model("llama")), PROMPTS + [PROMPTS[2]], MAX_TOKENS)
+
+
+@pytest.mark.parametrize("transport,prefill_tp,decode_tp,runner", CASES)
+def test_split_matches_reference(tiny_model: Callable[[str], str], reference: list[list[int]],
+                                 transport: str, prefill_tp: int, decode_tp: int, runner: str) -> None:
+    model = tiny_model("llama")
+    servers = []
+    try:
+        p = start_instance(model, "kv_producer", transport, prefill_tp, runner)
+        servers.append(p)
+        d = start_instance(model, "kv_consumer", transport, decode_tp, runner)
+        servers.append(d)
+        bytes_read = []
+        for prompt, expected in zip(PROMPTS, reference):
+            before = d.metric("kv_transfer_bytes_total")
+            body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True}
+            resp = split_request(p, d, body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["token_ids"] == expected
+            bytes_read.append(d.metric("kv_transfer_bytes_total") - before)
+        assert all(b > 0 for b in bytes_read) and d.metric("kv_transfers_total") >= len(PROMPTS)
+        # A prefix hit on the decode side: it reads only the block it does not hold (1 of 5).
+        before = d.metric("kv_transfer_bytes_total")
+        body = {"model": model, "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True}
+        resp = split_request(p, d, body)
+        assert resp.json()["choices"][0]["token_ids"] == reference[-1]
+        assert d.metric("kv_transfer_bytes_total") - before == bytes_read[2] / 5
+        for server in servers:
+            server.wait_pool_full(timeout=30)
+        assert p.metric("kv_expired_leases_total") == 0
+    finally:
+        for server in servers:
+            assert server.stop() == [], "processes left behind"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_chat_and_streaming_through_split(tiny_model: Callable[[str], str], endpoint: str) -> None:
+    model = tiny_model("llama")
+    p = start_instance(model, "kv_producer")
+    d = start_instance(model, "kv_consumer")
+    try:
+        if endpoint == "completions":
+            body = {"model": model, "prompt": "the quick brown fox", "max_tokens": 10, "temperature": 0}
+        else:
+            body = {"model": model, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 10,
+                    "temperature": 0}
+        single = d.client()
+        direct = (single.completions.create(**body) if endpoint == "completions"
+                  else single.chat.completions.create(**body))
+        expected = direct.choices[0].text if endpoint == "completions" else direct.choices[0].message.content
+        resp = split_request(p, d, body, endpoint)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert (choice["text"] if endpoint == "completions" else choice["message"]["content"]) == expected
+        streamed = split_request(p, d, {**body, "stream": True}, endpoint)
+        chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                  if line.startswith("data: {")]
+        key = "text" if endpoint == "completions" else "delta"
+        parts = [c["choices"][0][key] for c in chunks if c["choices"]]
+        joined = "".join(x if isinstance(x, str) else x.get("content", "") for x in parts)
+        assert joined == expected
+        for server in (p, d):
+            server.wait_pool_full(timeout=30)
+    finally:
+        assert p.stop() == [] and d.stop() == []

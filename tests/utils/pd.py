@@ -1,0 +1,50 @@
+"""Prefill and decode instances as real `pdserve serve` processes, and the proxy's two hops."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from pdserve.utils import get_open_port
+from tests.utils.server import RemoteServer
+
+
+def kv_transfer_config(role: str, transport: str = "nixl", **extra: Any) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"transport": transport, **extra}})
+
+
+def start_instance(model: str, role: str, transport: str = "nixl", tp: int = 1, runner: str | None = None,
+                   extra_args: list[str] | None = None, **extra: Any) -> RemoteServer:
+    """One instance with its own side-channel port; `runner` "0"/"1" forces runner V1/V2."""
+    env = {"PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port())}
+    if runner is not None:
+        env["PDSERVE_USE_V2_MODEL_RUNNER"] = runner
+    args = ["serve", "--model", model, "--dtype", "float32", "--kv-transfer-config",
+            kv_transfer_config(role, transport, **extra), "--tensor-parallel-size", str(tp),
+            *(extra_args or [])]
+    if tp > 1:
+        args += ["--distributed-executor-backend", "mp"]
+    server = RemoteServer(args, env=env)
+    server.side_channel_port = int(env["PDSERVE_SIDE_CHANNEL_PORT"])
+    return server
+
+
+def prefill(prefill_server: RemoteServer, body: dict[str, Any], endpoint: str = "completions") -> dict[str, Any]:
+    """The proxy's first hop: one token, and the prefill instance holds the KV for a reader."""
+    hop = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    hop.pop("max_completion_tokens", None)
+    resp = httpx.post(f"{prefill_server.url}/v1/{endpoint}", json=hop, timeout=120)
+    resp.raise_for_status()
+    params = resp.json()["kv_transfer_params"]
+    assert params and params["do_remote_prefill"], params
+    return params
+
+
+def split_request(prefill_server: RemoteServer, decode_server: RemoteServer, body: dict[str, Any],
+                  endpoint: str = "completions") -> httpx.Response:
+    params = prefill(prefill_server, body, endpoint)
+    return httpx.post(f"{decode_server.url}/v1/{endpoint}", json={**body, "kv_transfer_params": params},
+                      timeout=120)
