@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.outputs import EngineCoreOutput, KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 from pdserve.request import Request, RequestStatus
@@ -63,6 +63,12 @@ class SchedulerOutputProcessorMixin:
     max_model_len: int
     finished_req_ids: set[str]
     finished_recving_kv_req_ids: set[str]
+
+    if TYPE_CHECKING:  # defined by SchedulerKVTransferMixin
+
+        def _update_from_kv_xfer_finished(
+            self, kv_connector_output: KVConnectorOutput
+        ) -> list[EngineCoreOutput]: ...
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -131,48 +137,8 @@ class SchedulerOutputProcessorMixin:
         if stopped_reqs:
             self.running = [r for r in self.running if r not in stopped_reqs]
         if model_runner_output.kv_connector_output is not None:
-            self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
+            outputs += self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
         return outputs
-
-    def _update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput) -> None:
-        """Transfers the workers finished: promote received requests, free what was sent.
-
-        An id that fits no request waiting on that transfer is logged and ignored: a confused
-        peer must not take the engine down.
-        """
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_connector_output)
-        for req_id in kv_connector_output.finished_recving or ():
-            request = self.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self.finished_recving_kv_req_ids.add(req_id)
-            elif request is not None and request.is_finished():
-                # Aborted while receiving: its blocks were held for the transfer until now.
-                self._free_blocks(request)
-            else:
-                logger.warning("Unexpected finished KV receive for request %s; ignored.", req_id)
-        for req_id in kv_connector_output.finished_sending or ():
-            request = self.requests.get(req_id)
-            if request is not None and request.is_finished():
-                self._free_blocks(request)
-            else:
-                logger.warning("Unexpected finished KV send for request %s; ignored.", req_id)
-
-    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
-        """Promote a request whose KV transfer finished; False while it is still in flight."""
-        if request.request_id not in self.finished_recving_kv_req_ids:
-            return False
-        self.finished_recving_kv_req_ids.remove(request.request_id)
-        # The received blocks are valid now: index them for later prefix hits.
-        if self.kv_cache_manager.enable_caching:
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        if request.num_computed_tokens == request.num_tokens:
-            # The whole prompt arrived: recompute its last token, to sample from its logits.
-            request.num_computed_tokens = request.num_tokens - 1
-        request.status = (
-            RequestStatus.PREEMPTED if request.num_preemptions > 0 else RequestStatus.WAITING
-        )
-        return True
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus

@@ -3,7 +3,8 @@
 Continuous batching with no prefill or decode phases: every request has `num_computed_tokens`
 and `num_tokens`, and each step hands out a token budget so that the former catches up, running
 requests first, then waiting ones (vLLM V1, `vllm/v1/core/sched/scheduler.py`). The step's
-SchedulerOutput is built in output_builder.py; its results are processed in output_processor.py.
+SchedulerOutput is built in output_builder.py; its results are processed in output_processor.py;
+requests whose KV loads from a peer are parked and promoted in kv_transfer.py.
 
 Async scheduling (vLLM's AsyncScheduler, folded in): a step that samples leaves a placeholder
 token that the next schedule() counts; see docs/async_scheduling.md.
@@ -20,10 +21,11 @@ from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.request import Request, RequestStatus
 from pdserve.scheduler.block_pool import KVCacheBlock
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
+from pdserve.scheduler.kv_transfer import SchedulerKVTransferMixin
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.output_builder import SchedulerOutputBuilderMixin
 from pdserve.scheduler.output_processor import SchedulerOutputProcessorMixin
-from pdserve.scheduler.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from pdserve.scheduler.request_queue import SchedulingPolicy, create_request_queue
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_blocks: int
 
 
-class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
+class Scheduler(
+    SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin, SchedulerKVTransferMixin
+):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -180,6 +184,7 @@ class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
     ) -> int:
         """Admit waiting requests while budget, seats and blocks last; returns the budget left."""
         kv_cache_manager = self.kv_cache_manager
+        reserved_blocks = self._num_reserved_blocks()
         step_skipped = create_request_queue(self.policy)
         while (self.waiting or self.skipped_waiting) and token_budget > 0:
             if len(self.running) >= self.max_num_running_reqs:
@@ -191,26 +196,13 @@ class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
                     step_skipped.add_request(queue.pop_request())
                     continue
 
-            num_external_tokens, load_kv_async = 0, False
-            new_computed_blocks: list[KVCacheBlock] = []
-            num_local_computed = 0
-            if request.num_computed_tokens == 0:
-                new_computed_blocks, num_local_computed = kv_cache_manager.get_computed_blocks(
-                    request
-                )
-                if self.connector is not None:
-                    num_external, load_kv_async = self.connector.get_num_new_matched_tokens(
-                        request, num_local_computed
-                    )
-                    if num_external is None:  # the connector cannot tell yet: ask next step
-                        step_skipped.add_request(queue.pop_request())
-                        continue
-                    num_external_tokens = num_external
-                num_computed_tokens = num_local_computed + num_external_tokens
-            else:
-                # Only a request whose remote KV arrived gets here with computed tokens.
-                num_computed_tokens = request.num_computed_tokens
-
+            match = self._match_computed_tokens(request)
+            if match is None:  # the connector cannot tell yet: ask next step
+                step_skipped.add_request(queue.pop_request())
+                continue
+            new_computed_blocks, num_local_computed, num_external_tokens, load_kv_async = match
+            num_computed_tokens = request.num_computed_tokens + num_local_computed
+            num_computed_tokens += num_external_tokens
             num_new_tokens = 0
             if not load_kv_async:
                 num_new_tokens = request.num_tokens - num_computed_tokens
@@ -219,6 +211,11 @@ class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
                         break  # the prompt waits for a step with room for all of it
                     num_new_tokens = token_budget
                 assert num_new_tokens > 0
+            # Parked loads keep their blocks to come free (minus this request's own). An async
+            # load is admitted only if the rest of its prompt fits too: two loads that each hold
+            # part of the pool could otherwise wait for each other's blocks forever.
+            own_reserved = self._num_blocks_to_complete(request)
+            margin = self._num_blocks_short(request, num_computed_tokens) if load_kv_async else 0
             new_blocks = kv_cache_manager.allocate_slots(
                 request,
                 num_new_tokens,
@@ -226,6 +223,7 @@ class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
                 new_computed_blocks=new_computed_blocks,
                 num_external_computed_tokens=num_external_tokens,
                 delay_cache_blocks=load_kv_async,
+                reserved_blocks=reserved_blocks - own_reserved + margin,
             )
             if new_blocks is None:
                 break  # waiting requests never preempt
@@ -234,6 +232,7 @@ class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
                     request, kv_cache_manager.get_blocks(request.request_id), num_external_tokens
                 )
             queue.pop_request()
+            reserved_blocks += margin - own_reserved
             if load_kv_async:
                 # Parked until the worker reports the transfer done; counted as computed now.
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -257,14 +256,6 @@ class Scheduler(SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin):
         if step_skipped:
             self.skipped_waiting.prepend_requests(step_skipped)
         return token_budget
-
-    def _select_waiting_queue(self) -> RequestQueue:
-        if not self.skipped_waiting:
-            return self.waiting
-        if self.policy is SchedulingPolicy.FCFS or not self.waiting:
-            return self.skipped_waiting
-        skipped_first = self.skipped_waiting.peek_request() < self.waiting.peek_request()
-        return self.skipped_waiting if skipped_first else self.waiting
 
     def _preempt_request(self, request: Request) -> None:
         """Recompute preemption: drop the blocks (their hashes stay cached) and queue it first."""

@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 _REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
+def _has_remote_fields(params: dict[str, Any]) -> bool:
+    return all(params.get(f) is not None for f in _REMOTE_FIELDS)
+
+
 class NixlConnectorScheduler:
     def __init__(self, config: EngineConfig) -> None:
         kv = config.kv_transfer_config
@@ -38,8 +42,9 @@ class NixlConnectorScheduler:
         # polling the workers, until the read ends.
         self._reading: set[str] = set()
         self._last_heartbeat = 0.0
-        # Prefill side: requests holding blocks for a reader; decode side: reads in flight.
-        self.num_held = 0
+        # Prefill side: finished requests whose blocks wait for a reader. A set, not a count: a
+        # stray id in finished_sending must not end the polling while others still wait.
+        self._sending: set[str] = set()
         self.stats: dict[str, float] = {}
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, bytes]) -> None:
@@ -47,7 +52,9 @@ class NixlConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
+        # Without every remote field no read can start (update_state_after_alloc warns): the
+        # request prefills here rather than wait for KV that never comes.
+        if params and params.get("do_remote_prefill") and _has_remote_fields(params):
             count = request.num_prompt_tokens - num_computed_tokens
             if count > 0:
                 return count, True
@@ -57,8 +64,8 @@ class NixlConnectorScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
-        missing = [f for f in _REMOTE_FIELDS if params.get(f) is None]
-        if missing:
+        if not _has_remote_fields(params):
+            missing = [f for f in _REMOTE_FIELDS if params.get(f) is None]
             logger.warning("Request %s: kv_transfer_params lack %s; it prefills locally.",
                            request.request_id, ", ".join(missing))
         else:
@@ -93,7 +100,7 @@ class NixlConnectorScheduler:
         if params.get("do_remote_prefill"):
             # Finished (aborted) before it was ever scheduled: no read will come, so tell the
             # prefill side to free, with an empty read.
-            if all(params.get(f) is not None for f in _REMOTE_FIELDS):
+            if _has_remote_fields(params):
                 self._reqs_need_recv[request.request_id] = RecvReqMeta(
                     [], list(params["remote_block_ids"]), params["remote_engine_id"],
                     params["remote_request_id"], params["remote_host"], int(params["remote_port"]),
@@ -109,7 +116,7 @@ class NixlConnectorScheduler:
         delay = len(block_ids) > 0
         if delay:
             self._reqs_need_send[request.request_id] = time.time() + self.lease_duration
-            self.num_held += 1
+            self._sending.add(request.request_id)
         return delay, {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(block_ids),
             "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
@@ -119,7 +126,7 @@ class NixlConnectorScheduler:
         }
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.num_held = max(0, self.num_held - len(output.finished_sending or ()))
+        self._sending.difference_update(output.finished_sending or ())
         for req_id in output.finished_recving or ():
             self._awaited.pop(req_id, None)
             self._reading.discard(req_id)
@@ -127,7 +134,7 @@ class NixlConnectorScheduler:
             self.stats[name] = self.stats.get(name, 0.0) + value
 
     def has_pending_transfers(self) -> bool:
-        return self.num_held > 0 or bool(self._reading)
+        return bool(self._sending or self._reading)
 
     def shutdown(self) -> None:
         if self.server is not None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.block_pool import KVCacheBlock
@@ -83,7 +85,8 @@ def test_remote_prefill_lifecycle(make_scheduler: MakeScheduler) -> None:
 
     out = scheduler.schedule()  # blocks for the transfer; nothing for the workers to run
     assert out.total_num_scheduled_tokens == 0 and not out.scheduled_new_reqs
-    assert out.kv_connector_metadata == {
+    assert out.kv_connector_metadata is not None
+    assert msgspec.msgpack.decode(out.kv_connector_metadata) == {
         "reqs_to_recv": {"d": scheduler.kv_cache_manager.get_block_ids("d")}
     }
     assert (
