@@ -113,6 +113,12 @@ class AsyncLLM:
             self.metrics.record_kv_connector_stats(kv_stats)
         return stats
 
+    async def release_remote_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        """The request was refused before reaching the engine: the prefill instance holding its
+        KV is told to free it now rather than at the end of its lease."""
+        if kv_transfer_params.get("do_remote_prefill"):
+            await self.client.call_utility("release_remote_kv", request_id, kv_transfer_params)
+
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))
 

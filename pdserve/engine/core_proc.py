@@ -51,11 +51,18 @@ class EngineCoreProc:
         self.utilities: dict[str, Callable[..., Any]] = {
             "get_stats": self._stats,
             "reset_prefix_cache": self.engine.scheduler.reset_prefix_cache,
+            "release_remote_kv": self._release_remote_kv,
         }
 
     def _stats(self) -> tuple[SchedulerStats, dict[str, float] | None]:
         connector = self.engine.kv_connector
         return self.engine.scheduler.make_stats(), connector.get_stats() if connector else None
+
+    def _release_remote_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> bool:
+        if self.engine.kv_connector is None:
+            return False
+        self.engine.kv_connector.release_remote(request_id, kv_transfer_params)
+        return True
 
     def run(self) -> None:
         poller = zmq.Poller()

@@ -57,6 +57,9 @@ class KVConnectorBase(abc.ABC):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Called once when a request finishes: (free its blocks later?, kv_transfer_params)."""
 
+    def release_remote(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        """A request that names remote KV will never be admitted here: let the peer free it."""
+
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """What the workers reported this step (counters, finished transfers)."""
 

@@ -120,3 +120,21 @@ def test_garbage_on_the_side_channel_is_dropped(tiny_model: Callable[[str], str]
             server.wait_pool_full()
     finally:
         assert p.stop() == [] and d.stop() == []
+
+
+def test_decode_rejects_before_admission_prefill_frees_at_once(tiny_model: Callable[[str], str]) -> None:
+    """A decode instance that refuses the request (400) tells the prefill side, which does not
+    wait for its lease (pd_lessons 2)."""
+    model = tiny_model("llama")
+    p = start_instance(model, "kv_producer", kv_lease_duration=120)
+    d = start_instance(model, "kv_consumer")
+    try:
+        params = prefill(p, _body(model, list(range(5, 60))))
+        bad = {**_body(model, list(range(5, 60))), "temperature": -1, "kv_transfer_params": params}
+        resp = httpx.post(f"{d.url}/v1/completions", json=bad, timeout=60)
+        assert resp.status_code == 400
+        p.wait_pool_full(timeout=30)
+        assert p.metric("kv_expired_leases_total") == 0
+        d.wait_pool_full()
+    finally:
+        assert p.stop() == [] and d.stop() == []

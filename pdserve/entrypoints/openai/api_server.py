@@ -120,17 +120,25 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None,
             return Response(status_code=499)
         return JSONResponse(body)
 
+    async def refusing(body: CompletionRequest | ChatCompletionRequest, rid: str, work: Awaitable[Response]) -> Response:
+        try:
+            return await work
+        except OpenAIError as e:
+            if e.status < 500:  # refused before the engine saw it: free the prefill side's KV now
+                await serving.release_if_rejected(body, rid)
+            raise
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         rid = request_id_of(request)
-        return await respond(request, body.stream, lambda: serving.completion(body, rid),
-                             lambda: serving.completion_stream(body, rid))
+        return await refusing(body, rid, respond(request, body.stream, lambda: serving.completion(body, rid),
+                                                 lambda: serving.completion_stream(body, rid)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         rid = request_id_of(request)
-        return await respond(request, body.stream, lambda: serving.chat(body, rid),
-                             lambda: serving.chat_stream(body, rid))
+        return await refusing(body, rid, respond(request, body.stream, lambda: serving.chat(body, rid),
+                                                 lambda: serving.chat_stream(body, rid)))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

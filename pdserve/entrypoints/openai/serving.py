@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any, AsyncIterator
 
@@ -13,6 +14,8 @@ from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | dict[str, Any]
 
@@ -104,6 +107,14 @@ class OpenAIServing:
         return _raising_on_error(merge(streams))
 
     # ---- completions -----------------------------------------------------------------------
+
+    async def release_if_rejected(self, req: CompletionRequest | ChatCompletionRequest, request_id: str) -> None:
+        """Called when the request is refused here: a prefill instance may hold its KV."""
+        if req.kv_transfer_params and self.engine.dead_reason is None:
+            try:
+                await self.engine.release_remote_kv(request_id, req.kv_transfer_params)
+            except (asyncio.TimeoutError, RuntimeError) as e:  # the lease still frees them
+                logger.warning("Could not release the remote KV of rejected request %s: %s", request_id, e)
 
     def prepare_completion(self, req: CompletionRequest) -> list[tuple[Prompt, SamplingParams]]:
         self.check_model(req.model)

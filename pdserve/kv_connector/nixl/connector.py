@@ -53,6 +53,10 @@ class NixlConnector(KVConnectorBase):
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
 
+    def release_remote(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        assert self.scheduler is not None
+        self.scheduler.release_remote(request_id, kv_transfer_params)
+
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(output)

@@ -92,22 +92,26 @@ class NixlConnectorScheduler:
         self._reqs_need_recv, self._reqs_need_send = {}, {}
         return meta
 
+    def release_remote(self, request_id: str, params: dict[str, Any]) -> None:
+        """Tell the prefill side to free a request's blocks now, with an empty read: this
+        instance will never read them (aborted before admission, or rejected by the server)."""
+        if _has_remote_fields(params):
+            self._reqs_need_recv[request_id] = RecvReqMeta(
+                [], list(params["remote_block_ids"]), params["remote_engine_id"],
+                params["remote_request_id"], params["remote_host"], int(params["remote_port"]),
+                int(params.get("tp_size") or 1),
+            )
+            self._reading.add(request_id)
+        params["do_remote_prefill"] = False
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._awaited.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
-            # Finished (aborted) before it was ever scheduled: no read will come, so tell the
-            # prefill side to free, with an empty read.
-            if _has_remote_fields(params):
-                self._reqs_need_recv[request.request_id] = RecvReqMeta(
-                    [], list(params["remote_block_ids"]), params["remote_engine_id"],
-                    params["remote_request_id"], params["remote_host"], int(params["remote_port"]),
-                    int(params.get("tp_size") or 1),
-                )
-                self._reading.add(request.request_id)
-            params["do_remote_prefill"] = False
+            # Finished (aborted) before it was ever scheduled: no read will come.
+            self.release_remote(request.request_id, params)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
