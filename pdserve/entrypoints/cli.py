@@ -97,6 +97,18 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if result["completed"] > 0 and result["failed"] == 0 else 1
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from pdserve.entrypoints.proxy import run_proxy
+
+    return run_proxy(args)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from pdserve.entrypoints.launch import run_launch
+
+    return run_launch(args, args.instance_args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve")
     parser.add_argument("--log-level", default="WARNING")
@@ -112,19 +124,33 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
 
     from pdserve.entrypoints.bench_serve import add_bench_serve_args
+    from pdserve.entrypoints.launch import add_launch_args
     from pdserve.entrypoints.openai.api_server import add_serve_args
+    from pdserve.entrypoints.proxy import add_proxy_args
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_engine_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
+    proxy = sub.add_parser("proxy", help="the prefill/decode proxy")
+    add_proxy_args(proxy)
+    proxy.set_defaults(func=cmd_proxy)
+
+    launch = sub.add_parser("launch", help="prefill and decode instances and the proxy, as child processes",
+                            epilog="Other flags (e.g. --dtype float32) are passed on to every instance.")
+    add_launch_args(launch)
+    launch.set_defaults(func=cmd_launch)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench_serve = bench.add_parser("serve", help="Poisson load against a running server")
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "launch":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.instance_args = extra
     # Engine and worker processes read it from the environment they inherit.
     os.environ["PDSERVE_LOG_LEVEL"] = args.log_level.upper()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -17,9 +17,11 @@ def kv_transfer_config(role: str, transport: str = "nixl", **extra: Any) -> str:
 
 
 def start_instance(model: str, role: str, transport: str = "nixl", tp: int = 1, runner: str | None = None,
-                   extra_args: list[str] | None = None, **extra: Any) -> RemoteServer:
-    """One instance with its own side-channel port; `runner` "0"/"1" forces runner V1/V2."""
-    env = {"PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port())}
+                   extra_args: list[str] | None = None, host: str = "127.0.0.1",
+                   prefix: list[str] | None = None, **extra: Any) -> RemoteServer:
+    """One instance with its own side-channel port; `runner` "0"/"1" forces runner V1/V2;
+    `host` is its HTTP and side-channel address, `prefix` wraps its command (a netns)."""
+    env = {"PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port()), "PDSERVE_SIDE_CHANNEL_HOST": host}
     if runner is not None:
         env["PDSERVE_USE_V2_MODEL_RUNNER"] = runner
     args = ["serve", "--model", model, "--dtype", "float32", "--kv-transfer-config",
@@ -27,7 +29,7 @@ def start_instance(model: str, role: str, transport: str = "nixl", tp: int = 1, 
             *(extra_args or [])]
     if tp > 1:
         args += ["--distributed-executor-backend", "mp"]
-    server = RemoteServer(args, env=env)
+    server = RemoteServer(args, env=env, host=host, prefix=prefix)
     server.side_channel_port = int(env["PDSERVE_SIDE_CHANNEL_PORT"])
     return server
 

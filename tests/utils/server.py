@@ -42,15 +42,19 @@ class RemoteServer:
     """`RemoteServer(["serve", "--model", m, ...])` runs `pdserve <args> --port <free port>`."""
 
     def __init__(self, args: list[str], startup_timeout: float = 240.0, env: dict[str, str] | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, host: str = "127.0.0.1", prefix: list[str] | None = None) -> None:
+        """`prefix` runs the command under another (e.g. `ip netns exec NS`); `host` is where
+        the server listens and is reached."""
         self.port = get_open_port()
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         args = [*args, "--api-key", api_key] if api_key else args
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
+        if host != "127.0.0.1":
+            args = [*args, "--host", host]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-test-{self.port}.log"
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.entrypoints.cli", *args, "--port", str(self.port)],
+            [*(prefix or []), sys.executable, "-m", "pdserve.entrypoints.cli", *args, "--port", str(self.port)],
             cwd=_REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
         self.all_pids: list[int] = [self.proc.pid]

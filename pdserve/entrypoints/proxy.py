@@ -1,0 +1,228 @@
+"""`pdserve proxy`: one OpenAI endpoint in front of prefill and decode instances.
+
+Each request goes twice (vLLM's toy_proxy_server, reference §6.1): a copy to a prefill instance
+with `max_tokens=1`, no streaming and `kv_transfer_params={"do_remote_decode": true}`; then the
+original, carrying the prefill answer's `kv_transfer_params`, to a decode instance, whose answer
+(streamed or not) goes back to the client. One X-Request-Id names both hops. Instances are taken
+round-robin among those whose /health answered 200 at the last check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.entrypoints.openai.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_INTERVAL_S = 2.0
+
+
+@dataclass
+class Instance:
+    role: str
+    url: str
+    client: httpx.AsyncClient
+    healthy: bool = True
+    last_error: str | None = None
+
+    async def check(self) -> None:
+        try:
+            resp = await self.client.get("/health", timeout=_HEALTH_INTERVAL_S)
+            ok, why = resp.status_code == 200, f"/health answered {resp.status_code}"
+        except httpx.HTTPError as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
+        if ok != self.healthy:
+            logger.warning("%s instance %s is %s%s", self.role, self.url, "back" if ok else "down",
+                           "" if ok else f" ({why})")
+        self.healthy, self.last_error = ok, None if ok else why
+
+
+class InstancePool:
+    def __init__(self, role: str, addresses: list[str], timeout_s: float) -> None:
+        if not addresses:
+            raise ValueError(f"at least one {role} instance (--{role} HOST:PORT) is needed")
+        timeout = httpx.Timeout(timeout_s, connect=5.0)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.instances = [
+            Instance(role, f"http://{a}", httpx.AsyncClient(base_url=f"http://{a}", timeout=timeout, limits=limits))
+            for a in addresses
+        ]
+        self.role = role
+        self._next = itertools.count()
+
+    def pick(self) -> Instance:
+        n = len(self.instances)
+        start = next(self._next)
+        for i in range(n):
+            instance = self.instances[(start + i) % n]
+            if instance.healthy:
+                return instance
+        raise OpenAIError(503, f"No healthy {self.role} instance: "
+                          + "; ".join(f"{i.url}: {i.last_error}" for i in self.instances))
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"url": i.url, "healthy": i.healthy, "error": i.last_error} for i in self.instances]
+
+    async def close(self) -> None:
+        for instance in self.instances:
+            await instance.client.aclose()
+
+
+def _upstream_error(instance: Instance, e: Exception) -> OpenAIError:
+    """A peer that cannot be reached is marked down until its health check passes again."""
+    instance.healthy, instance.last_error = False, f"{type(e).__name__}: {e}"
+    return OpenAIError(503, f"The {instance.role} instance {instance.url} failed: {instance.last_error}")
+
+
+def _forwarded_error(instance: Instance, resp: httpx.Response) -> OpenAIError:
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = resp.text[:500]
+    # A client's mistake stays the client's; anything else is the upstream's failure.
+    status = resp.status_code if resp.status_code < 500 else 502
+    return OpenAIError(status, f"{instance.role} instance {instance.url}: {message}")
+
+
+def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> FastAPI:
+    pools = {"prefill": InstancePool("prefill", prefill, timeout_s),
+             "decode": InstancePool("decode", decode, timeout_s)}
+
+    async def health_loop() -> None:
+        while True:
+            await asyncio.gather(*(i.check() for p in pools.values() for i in p.instances))
+            await asyncio.sleep(_HEALTH_INTERVAL_S)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(health_loop())
+        yield
+        task.cancel()
+        for pool in pools.values():
+            await pool.close()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def handle(request: Request, endpoint: str) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise OpenAIError(400, f"Malformed JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "The request body must be a JSON object.")
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers = {"X-Request-Id": request_id}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+
+        hop = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        if "max_completion_tokens" in hop:
+            hop["max_completion_tokens"] = 1
+        for key in ("stream_options", "min_tokens"):
+            hop.pop(key, None)
+        prefill_instance = pools["prefill"].pick()
+        try:
+            resp = await prefill_instance.client.post(f"/v1/{endpoint}", json=hop, headers=headers)
+        except httpx.HTTPError as e:
+            raise _upstream_error(prefill_instance, e) from None
+        if resp.status_code != 200:
+            raise _forwarded_error(prefill_instance, resp)
+        params = resp.json().get("kv_transfer_params")
+        if params:
+            body = {**body, "kv_transfer_params": params}
+        # Tells the client (the demo) how much KV the prefill instance handed over.
+        out_headers = {"X-Request-Id": request_id,
+                       "X-PD-Prefill-Instance": prefill_instance.url,
+                       "X-PD-KV-Blocks": str(len((params or {}).get("remote_block_ids") or []))}
+
+        decode_instance = pools["decode"].pick()
+        out_headers["X-PD-Decode-Instance"] = decode_instance.url
+        upstream = decode_instance.client.build_request("POST", f"/v1/{endpoint}", json=body, headers=headers)
+        try:
+            answer = await decode_instance.client.send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            raise _upstream_error(decode_instance, e) from None
+        if answer.status_code != 200:
+            await answer.aread()
+            await answer.aclose()
+            raise _forwarded_error(decode_instance, answer)
+        if not body.get("stream"):
+            content = await answer.aread()
+            await answer.aclose()
+            return Response(content, media_type="application/json", headers=out_headers)
+
+        async def relay() -> AsyncIterator[bytes]:
+            # Cancelled when the client goes away: closing the upstream aborts the decode request.
+            try:
+                async for chunk in answer.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                yield f"data: {json.dumps(_upstream_error(decode_instance, e).body())}\n\n".encode()
+            finally:
+                await answer.aclose()
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=out_headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        instance = pools["decode"].pick()
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            resp = await instance.client.get("/v1/models", headers=headers)
+        except httpx.HTTPError as e:
+            raise _upstream_error(instance, e) from None
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = {role: pool.status() for role, pool in pools.items()}
+        ok = all(any(i["healthy"] for i in s) for s in status.values())
+        return JSONResponse({"status": "ok" if ok else "degraded", **status}, status_code=200 if ok else 503)
+
+    return app
+
+
+def add_proxy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="HOST:PORT")
+    parser.add_argument("--decode", nargs="+", action="extend", required=True, metavar="HOST:PORT")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds an instance may take to answer one hop")
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    for address in args.prefill + args.decode:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"instance address {address!r} is not HOST:PORT")
+    app = build_proxy_app(args.prefill, args.decode, args.timeout)
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                  timeout_graceful_shutdown=5)).run()
+    return 0
