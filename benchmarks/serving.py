@@ -25,12 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.entrypoints.bench_serve import add_bench_serve_args, run_bench_serve  # noqa: E402
 
-HEALTH_TIMEOUT_S = 300
+HEALTH_TIMEOUT_S = 900
 STOP_GRACE_S = 10
 
 
-def launch_server(port: int, server_args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", "--port", str(port), *server_args]
+def launch_server(port: int, server_args: list[str], command: str = "serve") -> subprocess.Popen:
+    """`pdserve <command>` (serve, or launch for a split deployment behind its proxy)."""
+    cmd = [sys.executable, "-m", "pdserve.entrypoints.cli", command, "--port", str(port), *server_args]
     # Its own process group, so that stop_server reaches the workers the server starts too.
     return subprocess.Popen(cmd, start_new_session=True)
 

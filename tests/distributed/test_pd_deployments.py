@@ -1,0 +1,203 @@
+"""Bigger split deployments (the bounded slow CI stage): several instances, TP, load, faults,
+the default model, and two hosts emulated by network namespaces."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.distributed.test_proxy import instances, wait_all_pools_full
+from tests.utils.pd import split_request, start_instance
+from tests.utils.server import RemoteServer, descendants
+from tests.utils.tiny_models import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [f"request {i}: " + " ".join(["tok"] * (i * 5)) for i in range(16)]
+
+
+def _reference(model: str, max_tokens: int) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return hf_greedy(Path(model), [tokenizer.encode(p) for p in PROMPTS], max_tokens)
+
+
+async def _complete_all(proxy: RemoteServer, model: str, prompts: list[str], max_tokens: int) -> list[object]:
+    client = proxy.async_client(timeout=300)
+    return await asyncio.gather(*[
+        client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0,
+                                  extra_body={"ignore_eos": True}) for p in prompts
+    ], return_exceptions=True)
+
+
+def test_two_prefill_two_decode_with_decode_tp2(tiny_model: Callable[[str], str]) -> None:
+    model = tiny_model("llama")
+    with RemoteServer(["launch", "--model", model, "--dtype", "float32", "--prefill", "2", "--decode", "2",
+                       "--decode-tp", "2"], startup_timeout=600) as proxy:
+        results = asyncio.run(_complete_all(proxy, model, PROMPTS, 8))
+        assert [r.choices[0].model_extra["token_ids"] for r in results] == _reference(model, 8)
+        served = {role: [s.metric("kv_cache_total_blocks") for s in servers]
+                  for role, servers in instances(proxy).items()}
+        assert len(served["prefill"]) == 2 and len(served["decode"]) == 2
+        for server in instances(proxy)["decode"]:
+            assert server.metric("kv_transfers_total") > 0, "round-robin used both decode instances"
+        wait_all_pools_full(proxy)
+        assert proxy.stop() == []
+
+
+def test_300_concurrent_requests(tiny_model: Callable[[str], str]) -> None:
+    model = tiny_model("llama")
+    with RemoteServer(["launch", "--model", model, "--dtype", "float32"]) as proxy:
+        prompts = [f"concurrent {i} " + "x " * (i % 40) for i in range(300)]
+        results = asyncio.run(_complete_all(proxy, model, prompts, 6))
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors[:3]
+        assert all(r.usage.completion_tokens == 6 for r in results)
+        wait_all_pools_full(proxy)
+        assert proxy.stop() == []
+
+
+def test_decode_killed_under_load(tiny_model: Callable[[str], str]) -> None:
+    model = tiny_model("llama")
+    servers = [start_instance(model, "kv_producer", kv_lease_duration=3)]
+    try:
+        servers += [start_instance(model, "kv_consumer"), start_instance(model, "kv_consumer")]
+        p, d1, d2 = servers
+        address = lambda s: s.url.removeprefix("http://")  # noqa: E731
+        proxy = RemoteServer(["proxy", "--prefill", address(p), "--decode", address(d1), address(d2)])
+        servers.append(proxy)
+
+        async def load() -> list[object]:
+            client = proxy.async_client(timeout=120)
+
+            async def one(i: int) -> str:
+                text = ""
+                stream = await client.completions.create(model=model, prompt=f"load {i}", max_tokens=300,
+                                                         temperature=0, stream=True,
+                                                         extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    text += chunk.choices[0].text if chunk.choices else ""
+                return text
+
+            tasks = [asyncio.create_task(one(i)) for i in range(12)]
+            await asyncio.sleep(2.0)
+            for pid in [d1.proc.pid, *descendants(d1.proc.pid)]:
+                os.kill(pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        results = asyncio.run(load())
+        failed = [r for r in results if isinstance(r, BaseException) or (isinstance(r, str) and not r)]
+        assert 0 < len(failed) < len(results), results
+        # The proxy stops routing to the dead instance; the other keeps serving.
+        deadline = time.monotonic() + 15
+        while httpx.get(f"{proxy.url}/health").json()["decode"][0]["healthy"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        client = proxy.client()
+        for i in range(4):
+            assert client.completions.create(model=model, prompt=f"after {i}", max_tokens=3).usage.completion_tokens == 3
+        d2.wait_pool_full(timeout=30)
+        p.wait_pool_full(timeout=30)  # what the dead instance never read is freed by the lease
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_default_model_through_proxy_matches_single_instance() -> None:
+    prompts = ["What is the capital of France?", "Name three primary colors.", "Count to five.",
+               "Write one sentence about the ocean."] * 4
+    single = RemoteServer(["serve"], startup_timeout=600)
+    try:
+        model = single.client().models.list().data[0].id
+        expected = [single.client().chat.completions.create(
+            model=model, messages=[{"role": "user", "content": p}], max_tokens=16, temperature=0,
+        ).choices[0].model_extra["token_ids"] for p in prompts[:4]]
+    finally:
+        single.stop()
+    with RemoteServer(["launch"], startup_timeout=900) as proxy:
+        client = proxy.client(timeout=300)
+        for i, p in enumerate(prompts):
+            out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                                 max_tokens=16, temperature=0)
+            assert out.choices[0].model_extra["token_ids"] == expected[i % 4]
+        wait_all_pools_full(proxy)
+        assert proxy.stop() == []
+
+
+# ---- two hosts --------------------------------------------------------------------------------
+
+_NETNS = {"pdserve-a": ("10.231.0.1", "10.231.0.2"), "pdserve-b": ("10.231.1.1", "10.231.1.2")}
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[dict[str, str]]:
+    """Two network namespaces, each reached from here over a veth pair, routed through here."""
+    reason = None
+    if os.geteuid() != 0:
+        reason = "needs root to create network namespaces"
+    elif subprocess.run(["ip", "netns", "add", "pdserve-probe"], capture_output=True).returncode != 0:
+        reason = "`ip netns add` is not permitted here"
+    else:
+        _sh("ip", "netns", "del", "pdserve-probe")
+    if reason:
+        print(f"SKIPPED two-host test: {reason}")
+        pytest.skip(reason)
+    forward = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+    try:
+        for i, (ns, (outer, inner)) in enumerate(_NETNS.items()):
+            veth = f"pdsv{i}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}n")
+            _sh("ip", "link", "set", f"{veth}n", "netns", ns)
+            _sh("ip", "addr", "add", f"{outer}/24", "dev", veth)
+            _sh("ip", "link", "set", veth, "up")
+            for cmd in (["ip", "addr", "add", f"{inner}/24", "dev", f"{veth}n"], ["ip", "link", "set", f"{veth}n", "up"],
+                        ["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "default", "via", outer]):
+                _sh("ip", "netns", "exec", ns, *cmd)
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+        yield {ns: inner for ns, (_, inner) in _NETNS.items()}
+    finally:
+        Path("/proc/sys/net/ipv4/ip_forward").write_text(forward)
+        for i, ns in enumerate(_NETNS):
+            subprocess.run(["ip", "link", "del", f"pdsv{i}"], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.parametrize("transport", ["nixl", "ucx"])
+def test_two_hosts_by_network_namespaces(tiny_model: Callable[[str], str], two_hosts: dict[str, str],
+                                         transport: str) -> None:
+    model = tiny_model("llama")
+    (ns_p, host_p), (ns_d, host_d) = two_hosts.items()
+    servers = []
+    try:
+        p = start_instance(model, "kv_producer", transport, host=host_p, prefix=["ip", "netns", "exec", ns_p])
+        servers.append(p)
+        d = start_instance(model, "kv_consumer", transport, host=host_d, prefix=["ip", "netns", "exec", ns_d])
+        servers.append(d)
+        reference = _reference(model, 8)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        for prompt, expected in zip(PROMPTS[:6], reference):
+            body = {"model": model, "prompt": tokenizer.encode(prompt), "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True}
+            resp = split_request(p, d, body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["token_ids"] == expected
+        assert d.metric("kv_transfers_total") >= 6
+        for server in servers:
+            server.wait_pool_full()
+    finally:
+        for server in servers:
+            assert server.stop() == []
