@@ -22,8 +22,9 @@ $(RAY_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[test,ray]'
 	touch $(RAY_STAMP)
 
+# The main job: a prefill instance, a decode instance and the proxy answer chat prompts.
 demo: $(STAMP)
-	$(VENV)/bin/pdserve generate
+	$(PY) examples/pd_demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
@@ -35,6 +36,8 @@ test-slow: $(RAY_STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/scheduler_overhead.py
+	$(PY) benchmarks/kv_transfer.py
+	$(PY) benchmarks/pd_serving.py
 
 clean:
 	rm -rf $(VENV) *.egg-info
