@@ -12,7 +12,7 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 TRANSPORTS = ("nixl", "ucx")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 _EXTRA_KEYS = {"transport", "kv_lease_duration", "kv_load_failure_policy", "enforce_handshake_compat",
-               "handshake_timeout", "transfer_timeout"}
+               "handshake_timeout", "transfer_timeout", "ucx_tls"}
 
 
 @dataclass
@@ -48,6 +48,8 @@ class KVTransferConfig:
                     f"kv_transfer_config.kv_connector_extra_config.{name} must be a positive number "
                     f"of seconds, got {value!r}."
                 )
+        if self.ucx_tls is not None and (not isinstance(self.ucx_tls, str) or not self.ucx_tls):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config.ucx_tls must be a non-empty string.")
         if not isinstance(self.enforce_handshake_compat, bool):
             raise ValueError("kv_transfer_config.kv_connector_extra_config.enforce_handshake_compat must be a bool.")
 
@@ -93,6 +95,12 @@ class KVTransferConfig:
     def transfer_timeout(self) -> float:
         """Seconds a READ may take before it counts as failed (a peer that vanished)."""
         return self._extra("transfer_timeout", 10.0)
+
+    @property
+    def ucx_tls(self) -> str | None:
+        """UCX transports of the `ucx` backend. The default, shared memory, works on one host;
+        between hosts (or network namespaces) give "self,tcp" (or an RDMA transport)."""
+        return self._extra("ucx_tls", None)
 
     @property
     def is_producer(self) -> bool:

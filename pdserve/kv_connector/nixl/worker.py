@@ -75,7 +75,7 @@ class NixlConnectorWorker:
         )
         self.expected_hash = self.compat_hash if kv.enforce_handshake_compat else None
         self.transport = make_transport(kv.transport, f"{self.engine_id}:{tp_rank}",
-                                        envs.side_channel_host(), kv.transfer_timeout)
+                                        envs.side_channel_host(), kv.transfer_timeout, kv.ucx_tls)
         self.kv_cache: torch.Tensor | None = None
         self.topology: Topology | None = None
         self._meta = NixlConnectorMetadata()

@@ -1,4 +1,4 @@
-"""KV transport: READ byte ranges of a peer's registered memory, with a notification to its owner."""
+"""KV transport: READ byte ranges of a peer's registered memory; its owner gets a notification."""
 
 from pdserve.kv_connector.transport.base import (
     BACKENDS,

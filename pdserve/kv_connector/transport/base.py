@@ -104,7 +104,7 @@ class Transport(abc.ABC):
 def check_descs(
     local: Sequence[Desc], remote: Sequence[Desc], local_sizes: list[int], remote_sizes: list[int]
 ) -> None:
-    """Raise ValueError unless local[i] and remote[i] are equal-length ranges inside their regions."""
+    """ValueError unless local[i] and remote[i] are equal-length ranges inside their regions."""
     if not local:
         raise ValueError("read needs at least one descriptor (send_notif carries a bare message).")
     if len(local) != len(remote):
@@ -159,17 +159,31 @@ BACKENDS = ("nixl", "ucx")
 
 
 def make_transport(
-    name: str, agent_name: str, host: str = "127.0.0.1", timeout_s: float = 10.0
+    name: str, agent_name: str, host: str = "127.0.0.1", timeout_s: float = 10.0,
+    ucx_tls: str | None = None,
 ) -> Transport:
-    """The transport `name` ("nixl" or "ucx"); its library is imported only when chosen."""
+    """The transport `name` ("nixl" or "ucx"); its library is imported only when chosen.
+
+    `ucx_tls` overrides the ucx backend's UCX transports (e.g. "self,posix,tcp" between hosts).
+    """
     if name not in BACKENDS:
         raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(BACKENDS)}.")
+    cls: type[Transport]
     try:
         if name == "nixl":
-            from pdserve.kv_connector.transport.nixl import NixlTransport as cls
+            from pdserve.kv_connector.transport.nixl import NixlTransport
+
+            cls = NixlTransport
         else:
-            from pdserve.kv_connector.transport.ucx import UcxTransport as cls
+            from pdserve.kv_connector.transport.ucx import UcxTransport
+
+            cls = UcxTransport
     except ImportError as e:
-        package = "nixl-cu12 and nixl" if name == "nixl" else "ucxx-cu12"
-        raise RuntimeError(f"transport {name!r} needs {package} installed ({e}).") from e
+        install = {
+            "nixl": "pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1",
+            "ucx": "pip install ucxx-cu12==0.52.0",
+        }[name]
+        raise RuntimeError(f"transport {name!r} cannot import its library ({e}); {install}") from e
+    if name == "ucx" and ucx_tls:
+        return UcxTransport(agent_name, host, timeout_s, ucx_config={"TLS": ucx_tls})
     return cls(agent_name, host, timeout_s)

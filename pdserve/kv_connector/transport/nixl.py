@@ -47,6 +47,11 @@ class _Xfer:
     state: XferState = XferState.PENDING
 
 
+def _rows(descs: list[Desc], bases: list[int]) -> np.ndarray:
+    """NIXL's Nx3 descriptor array: (address, length, device 0) per descriptor."""
+    return np.array([(bases[d.region] + d.offset, d.length, 0) for d in descs], np.uint64)
+
+
 @contextmanager
 def _progress_delay(delay_us: int) -> Iterator[None]:
     """Create NIXL agents whose progress thread waits `delay_us` between idle polls.
@@ -128,10 +133,8 @@ class NixlTransport(Transport):
         if peer is None:
             raise ValueError(f"unknown agent {remote_agent!r}; add_remote_agent it first.")
         check_descs(local, remote, self._region_sizes(), [size for _, size in peer.regions])
-        local_bases = [t.data_ptr() for t in self._tensors]
-        remote_bases = [base for base, _ in peer.regions]
-        local_rows = np.array([(local_bases[d.region] + d.offset, d.length, 0) for d in local], np.uint64)
-        remote_rows = np.array([(remote_bases[d.region] + d.offset, d.length, 0) for d in remote], np.uint64)
+        local_rows = _rows(local, [t.data_ptr() for t in self._tensors])
+        remote_rows = _rows(remote, [base for base, _ in peer.regions])
         self._next_handle += 1
         xfer = _Xfer(remote_agent, time.monotonic(), None)
         self._xfers[self._next_handle] = xfer
@@ -159,9 +162,8 @@ class NixlTransport(Transport):
             logger.warning("NIXL READ %d from %s failed: %s", handle, xfer.remote_agent, e)
             xfer.state = XferState.ERROR
         if xfer.state is XferState.PENDING and time.monotonic() - xfer.started > self.timeout_s:
-            logger.warning(
-                "NIXL READ %d from %s timed out after %.1f s", handle, xfer.remote_agent, self.timeout_s
-            )
+            logger.warning("NIXL READ %d from %s timed out after %.1f s",
+                           handle, xfer.remote_agent, self.timeout_s)
             xfer.state = XferState.ERROR
         return xfer.state
 

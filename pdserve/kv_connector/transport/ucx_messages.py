@@ -16,6 +16,11 @@ INDEX_BITS = 24  # descriptors per read: 16 M, far above any KV read
 MAX_HANDLE = (1 << (63 - INDEX_BITS)) - 1
 
 
+def check_count(num_descs: int) -> None:
+    if num_descs >= 1 << INDEX_BITS:
+        raise ValueError(f"{num_descs} descriptors in one read; at most {(1 << INDEX_BITS) - 1}.")
+
+
 def data_tag(handle: int, index: int) -> int:
     assert 0 < handle <= MAX_HANDLE and 0 <= index < 1 << INDEX_BITS, (handle, index)
     return handle << INDEX_BITS | index
