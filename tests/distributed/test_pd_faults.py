@@ -102,7 +102,8 @@ def test_garbage_on_the_side_channel_is_dropped(tiny_model: Callable[[str], str]
     try:
         ctx = zmq.Context.instance()
         dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        # Linger, so that closing right after sending does not discard the garbage unsent.
+        dealer.setsockopt(zmq.LINGER, 5000)
         dealer.connect(f"tcp://127.0.0.1:{p.side_channel_port}")
         for garbage in (os.urandom(64), b"", b"\x93\x01\x02"):
             dealer.send_multipart([b"", garbage])

@@ -170,6 +170,8 @@ class NixlConnectorWorker:
         # The local prefix hit covers the first blocks: read the last ones.
         remote = meta.remote_block_ids[len(meta.remote_block_ids) - len(local):]
         encoded = msgspec.msgpack.encode(notif)
+        # Started before posting: the NIXL backend may copy inside read() itself.
+        start = time.perf_counter()
         handles, num_bytes, num_descs = [], 0, 0
         for j, (agent, remote_meta) in enumerate(engine.agents):
             region, targets = self.topology.read_target(local, j, engine.tp_size, remote_meta.block_len)
@@ -177,7 +179,7 @@ class NixlConnectorWorker:
             handles.append(self.transport.read(agent, local_descs, remote_descs, encoded))
             num_bytes += sum(d.length for d in local_descs)
             num_descs += len(local_descs)
-        self._loads[req_id] = _Load(meta, local, handles, engine.tp_size, time.perf_counter(), num_bytes, num_descs)
+        self._loads[req_id] = _Load(meta, local, handles, engine.tp_size, start, num_bytes, num_descs)
 
     def _notify(self, engine: RemoteEngine, notif: Notif) -> None:
         msg = msgspec.msgpack.encode(notif)

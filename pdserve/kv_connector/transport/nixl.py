@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -12,8 +13,13 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 import torch
-from nixl import _bindings
-from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
+
+# NIXL logs every agent's creation at INFO on stdout, into the server's output; quiet unless
+# the user asked for a level.
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+from nixl import _bindings  # noqa: E402
+from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle  # noqa: E402
 
 from pdserve.kv_connector.transport.base import Desc, Transport, XferState, check_descs
 
