@@ -9,8 +9,13 @@ import socket
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 _EXIT_GRACE_S = 5.0
+
+# What a child process sends up its ready pipe once started: (READY, payload) or (FAILED, why).
+READY, FAILED = "READY", "FAILED"
 
 
 def get_open_port(host: str = "127.0.0.1") -> int:
@@ -45,3 +50,20 @@ def exit_with_parent(death_reader: Connection) -> None:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(death_reader,), daemon=True).start()
+
+
+def wait_for_ready(proc: BaseProcess, reader: Connection, what: str, timeout_s: float) -> Any:
+    """The payload `proc` sent with READY; a RuntimeError naming `what` if it failed, died or
+    stayed silent for `timeout_s`."""
+    try:
+        if not reader.poll(timeout_s):
+            raise RuntimeError(f"{what} did not start within {timeout_s:.0f} s.")
+        status, payload = reader.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"{what} died during start-up (exit code {proc.exitcode}).") from None
+    finally:
+        reader.close()
+    if status != READY:
+        raise RuntimeError(f"{what} failed to start: {payload}")
+    return payload

@@ -20,9 +20,10 @@ import zmq
 import zmq.asyncio
 
 from pdserve.config import EngineConfig
-from pdserve.engine.core_proc import READY, run_engine_core
+from pdserve.engine.core_proc import run_engine_core
 from pdserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall
 from pdserve.executor.zmq_utils import make_ipc_address
+from pdserve.utils import wait_for_ready
 
 logger = logging.getLogger(__name__)
 
@@ -65,26 +66,10 @@ class AsyncEngineCoreClient:
         ready_writer.close()
         death_reader.close()
         try:
-            self.num_blocks = self._wait_for_ready(ready_reader)
+            self.num_blocks = wait_for_ready(self.proc, ready_reader, "The engine process", _STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
-
-    def _wait_for_ready(self, reader: Any) -> int:
-        try:
-            if not reader.poll(_STARTUP_TIMEOUT_S):
-                raise RuntimeError(f"The engine did not start within {_STARTUP_TIMEOUT_S:.0f} s.")
-            status, payload = reader.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise RuntimeError(
-                f"The engine process died during start-up (exit code {self.proc.exitcode})."
-            ) from None
-        finally:
-            reader.close()
-        if status != READY:
-            raise RuntimeError(f"The engine failed to start: {payload}")
-        return payload
 
     def start(
         self, on_outputs: Callable[[EngineCoreOutputs], None], on_dead: Callable[[str], None]

@@ -28,11 +28,10 @@ from pdserve.engine.messages import (
     UtilityResult,
 )
 from pdserve.scheduler.scheduler import SchedulerStats
-from pdserve.utils import exit_with_parent
+from pdserve.utils import FAILED, READY, exit_with_parent
 
 logger = logging.getLogger(__name__)
 
-READY, FAILED = "READY", "FAILED"
 _TRANSFER_POLL_MS = 2
 
 

@@ -25,8 +25,8 @@ from pdserve.config import EngineConfig
 from pdserve.executor.base import Executor, worker_class
 from pdserve.executor.message_queue import MessageQueue, MessageQueueHandle
 from pdserve.executor.rpc import check_method, decode_reply, decode_results, encode_call
-from pdserve.executor.worker_proc import READY, worker_main
-from pdserve.utils import get_open_port
+from pdserve.executor.worker_proc import worker_main
+from pdserve.utils import get_open_port, wait_for_ready
 
 logger = logging.getLogger(__name__)
 
@@ -89,26 +89,10 @@ class MultiprocExecutor(Executor):
             self.workers.append(WorkerHandle(rank, proc, death_writer))
             ready_readers.append(ready_reader)
         for worker, reader in zip(self.workers, ready_readers):
-            handle = self._wait_for_ready(worker, reader)
+            payload = wait_for_ready(worker.proc, reader, f"Worker rank {worker.rank}", _STARTUP_TIMEOUT_S)
+            handle = msgspec.msgpack.decode(payload, type=MessageQueueHandle)
             worker.response_mq = MessageQueue.attach(handle, reader_rank=0)
         self.rpc_broadcast_mq.wait_until_ready()
-
-    @staticmethod
-    def _wait_for_ready(worker: WorkerHandle, reader: Connection) -> MessageQueueHandle:
-        try:
-            if not reader.poll(_STARTUP_TIMEOUT_S):
-                raise RuntimeError(f"Worker rank {worker.rank} did not start within {_STARTUP_TIMEOUT_S:.0f} s.")
-            status, payload = reader.recv()
-        except EOFError:
-            worker.proc.join(5)
-            raise RuntimeError(
-                f"Worker rank {worker.rank} died during start-up (exit code {worker.proc.exitcode})."
-            ) from None
-        finally:
-            reader.close()
-        if status != READY:
-            raise RuntimeError(f"Worker rank {worker.rank} failed to start: {payload}")
-        return msgspec.msgpack.decode(payload, type=MessageQueueHandle)
 
     # ---- RPC -------------------------------------------------------------------------------
 

@@ -16,12 +16,9 @@ from pdserve.executor.base import worker_class
 from pdserve.executor.message_queue import MessageQueue, MessageQueueHandle
 from pdserve.executor.rpc import decode_args, decode_call, encode_reply
 from pdserve.executor.worker import Worker
-from pdserve.utils import exit_with_parent
+from pdserve.utils import FAILED, READY, exit_with_parent
 
 logger = logging.getLogger(__name__)
-
-READY, FAILED = "READY", "FAILED"
-
 
 def worker_main(
     config: EngineConfig,
