@@ -126,9 +126,14 @@ def test_default_model_through_proxy_matches_single_instance() -> None:
     with RemoteServer(["launch"], startup_timeout=900) as proxy:
         client = proxy.client(timeout=300)
         for i, p in enumerate(prompts):
-            out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
-                                                 max_tokens=16, temperature=0)
+            messages = [{"role": "user", "content": p}]
+            out = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
             assert out.choices[0].model_extra["token_ids"] == expected[i % 4]
+            if i < 4:
+                chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                                        temperature=0, stream=True)
+                ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids", [])]
+                assert ids == expected[i]
         wait_all_pools_full(proxy)
         assert proxy.stop() == []
 
