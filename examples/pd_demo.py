@@ -68,8 +68,9 @@ def main() -> int:
             now = (metric(decode_url, "kv_transfer_bytes_total"), metric(decode_url, "kv_transfer_seconds_total"))
             before = seen.get(decode_url, (0.0, 0.0))
             seen[decode_url] = now
-            print(f"  KV handed over: {raw.headers['x-pd-kv-blocks']} blocks, "
-                  f"{(now[0] - before[0]) / 2**10:.0f} KiB in {(now[1] - before[1]) * 1e3:.1f} ms "
+            # The decode side reads only the blocks its prefix cache lacks (a shared system prompt).
+            print(f"  KV handed over: {raw.headers['x-pd-kv-blocks']} blocks held by prefill, "
+                  f"{(now[0] - before[0]) / 2**10:.0f} KiB read by decode in {(now[1] - before[1]) * 1e3:.1f} ms "
                   f"(request {elapsed * 1e3:.0f} ms, {answer.usage.completion_tokens} tokens)")
         return 0
     finally:
