@@ -73,3 +73,14 @@ def side_channel_port() -> int:
     if not 0 < port < 65536:
         raise ValueError(f"PDSERVE_SIDE_CHANNEL_PORT must be in 1..65535, got {port}.")
     return port
+
+
+def cpu_threads() -> int | None:
+    """PDSERVE_CPU_THREADS: torch threads of each CPU worker (default: cores / workers of this
+    instance). `pdserve launch` sets it so that instances sharing a host do not oversubscribe."""
+    value = os.environ.get("PDSERVE_CPU_THREADS") or None
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"PDSERVE_CPU_THREADS must be a positive integer, got {value!r}.")
+    return int(value)

@@ -124,6 +124,9 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     model = ["--model", args.model] if args.model else []
+    # Instances on one host share its cores: each worker gets its share of torch threads.
+    num_workers = args.prefill * args.prefill_tp + args.decode * args.decode_tp
+    threads = str(max(1, (os.cpu_count() or 1) // num_workers))
     try:
         instances = {"prefill": [], "decode": []}
         for role, count, tp in (("prefill", args.prefill, args.prefill_tp), ("decode", args.decode, args.decode_tp)):
@@ -133,7 +136,8 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
                          "--tensor-parallel-size", str(tp), *instance_args]
                 if tp > 1:
                     serve += ["--distributed-executor-backend", "mp"]
-                env = {"PDSERVE_SIDE_CHANNEL_HOST": args.host, "PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port())}
+                env = {"PDSERVE_SIDE_CHANNEL_HOST": args.host, "PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port()),
+                       "PDSERVE_CPU_THREADS": os.environ.get("PDSERVE_CPU_THREADS", threads)}
                 instances[role].append(launcher.spawn(f"{role}-{i}", serve, get_open_port(), env))
         launcher.wait_healthy(instances["prefill"] + instances["decode"], args.startup_timeout)
         address = lambda c: c.url.removeprefix("http://")  # noqa: E731

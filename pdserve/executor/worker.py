@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import msgspec
 import torch
@@ -35,6 +36,10 @@ class Worker:
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
+        else:
+            # The ranks of this node share its cores; more threads than cores only thrash.
+            world_size = config.parallel_config.world_size
+            torch.set_num_threads(envs.cpu_threads() or max(1, (os.cpu_count() or 1) // world_size))
         if config.use_v2_model_runner:
             from pdserve.runners.v2.model_runner import ModelRunnerV2 as runner_cls
         else:

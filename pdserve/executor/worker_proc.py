@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from multiprocessing.connection import Connection
 
@@ -34,9 +33,6 @@ def worker_main(
     logging.basicConfig(level=envs.log_level())
     broadcast = response = None
     try:
-        par = config.parallel_config
-        # The ranks of this node share its cores; more threads than cores only thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.world_size))
         worker = worker_class(config)(config, rank=rank, local_rank=local_rank,
                         distributed_init_method=distributed_init_method)
         worker.init_distributed()
