@@ -16,8 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.distributed.test_proxy import instances, wait_all_pools_full
-from tests.utils.pd import split_request, start_instance
+from tests.utils.pd import instances, split_request, start_instance, wait_all_pools_full
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
 

@@ -16,31 +16,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.utils.procs import wait_until_gone
+from tests.utils.pd import wait_all_pools_full
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
 
 MAX_TOKENS = 10
 PROMPTS = [f"prompt {i}: " + " ".join(["word"] * (i * 3)) for i in range(16)]
-
-
-def instances(proxy: RemoteServer) -> dict[str, list[RemoteServer]]:
-    """Metric readers for the instances behind a proxy (their URLs from its /health)."""
-    health = httpx.get(f"{proxy.url}/health", timeout=10).json()
-    out = {}
-    for role in ("prefill", "decode"):
-        servers = []
-        for item in health[role]:
-            reader = RemoteServer.__new__(RemoteServer)
-            reader.url, reader.headers = item["url"], {}
-            servers.append(reader)
-        out[role] = servers
-    return out
-
-
-def wait_all_pools_full(proxy: RemoteServer, timeout: float = 60) -> None:
-    for servers in instances(proxy).values():
-        for server in servers:
-            server.wait_pool_full(timeout)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 
 from pdserve.utils import get_open_port
-from tests.utils.server import RemoteServer
+from tests.utils.server import MetricsReader, RemoteServer
 
 
 def kv_transfer_config(role: str, transport: str = "nixl", **extra: Any) -> str:
@@ -50,3 +50,15 @@ def split_request(prefill_server: RemoteServer, decode_server: RemoteServer, bod
     params = prefill(prefill_server, body, endpoint)
     return httpx.post(f"{decode_server.url}/v1/{endpoint}", json={**body, "kv_transfer_params": params},
                       timeout=120)
+
+
+def instances(proxy: RemoteServer) -> dict[str, list[MetricsReader]]:
+    """Metric readers for the instances behind a proxy (their URLs from its /health)."""
+    health = httpx.get(f"{proxy.url}/health", timeout=10).json()
+    return {role: [MetricsReader(item["url"]) for item in health[role]] for role in ("prefill", "decode")}
+
+
+def wait_all_pools_full(proxy: RemoteServer, timeout: float = 60) -> None:
+    for readers in instances(proxy).values():
+        for reader in readers:
+            reader.wait_pool_full(timeout)

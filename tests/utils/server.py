@@ -38,7 +38,37 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-class RemoteServer:
+class MetricsReader:
+    """Reads an instance's /metrics: any server, also one this test did not start."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
+        self.url = url
+        self.headers = headers or {}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the first `pdserve:<name>` sample with these labels (0 if none yet)."""
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
+        for line in text.splitlines():
+            if (line.startswith(f"pdserve:{name}{{") or line.startswith(f"pdserve:{name} ")) and all(
+                w in line for w in wanted
+            ):
+                return float(line.rsplit(" ", 1)[1])
+        if labels:
+            return 0.0
+        raise KeyError(name)
+
+    def wait_pool_full(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            free, total = self.metric("kv_cache_free_blocks"), self.metric("kv_cache_total_blocks")
+            if free == total - 1 and self.metric("num_requests_running") == 0:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"block pool not full after {timeout} s: {free} free of {total - 1}")
+
+
+class RemoteServer(MetricsReader):
     """`RemoteServer(["serve", "--model", m, ...])` runs `pdserve <args> --port <free port>`."""
 
     def __init__(self, args: list[str], startup_timeout: float = 240.0, env: dict[str, str] | None = None,
@@ -46,9 +76,8 @@ class RemoteServer:
         """`prefix` runs the command under another (e.g. `ip netns exec NS`); `host` is where
         the server listens and is reached."""
         self.port = get_open_port()
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        super().__init__(f"http://{host}:{self.port}", {"Authorization": f"Bearer {api_key}"} if api_key else None)
         args = [*args, "--api-key", api_key] if api_key else args
-        self.url = f"http://{host}:{self.port}"
         if host != "127.0.0.1":
             args = [*args, "--host", host]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-test-{self.port}.log"
@@ -89,28 +118,6 @@ class RemoteServer:
     def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "none"),
                                   max_retries=0, **kwargs)
-
-    def metric(self, name: str, **labels: str) -> float:
-        """The value of the first `pdserve:<name>` sample with these labels (0 if none yet)."""
-        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
-        wanted = [f'{k}="{v}"' for k, v in labels.items()]
-        for line in text.splitlines():
-            if (line.startswith(f"pdserve:{name}{{") or line.startswith(f"pdserve:{name} ")) and all(
-                w in line for w in wanted
-            ):
-                return float(line.rsplit(" ", 1)[1])
-        if labels:
-            return 0.0
-        raise KeyError(name)
-
-    def wait_pool_full(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            free, total = self.metric("kv_cache_free_blocks"), self.metric("kv_cache_total_blocks")
-            if free == total - 1 and self.metric("num_requests_running") == 0:
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"block pool not full after {timeout} s: {free} free of {total - 1}")
 
     def stop(self, timeout: float = 30.0) -> list[int]:
         """SIGTERM, then SIGKILL; returns the processes (this one and below) still alive."""
