@@ -9,7 +9,6 @@ everything. Run: `make demo`, or `python examples/pd_demo.py [--model M] [-- ext
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import signal
 import subprocess

@@ -40,7 +40,6 @@ class AsyncLLM:
         self.metrics = EngineMetrics(config.model_config.name)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.client = AsyncEngineCoreClient(config)
-        self.num_blocks = self.client.num_blocks
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> "AsyncLLM":

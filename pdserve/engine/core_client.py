@@ -66,7 +66,7 @@ class AsyncEngineCoreClient:
         ready_writer.close()
         death_reader.close()
         try:
-            self.num_blocks = wait_for_ready(self.proc, ready_reader, "The engine process", _STARTUP_TIMEOUT_S)
+            wait_for_ready(self.proc, ready_reader, "The engine process", _STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise

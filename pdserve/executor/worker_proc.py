@@ -7,7 +7,6 @@ import traceback
 from multiprocessing.connection import Connection
 
 import msgspec
-import torch
 
 from pdserve import envs
 from pdserve.config import EngineConfig

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
-import openai
 import pytest
 from transformers import AutoTokenizer
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 

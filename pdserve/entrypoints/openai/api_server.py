@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import signal
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable

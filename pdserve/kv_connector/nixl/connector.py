@@ -9,11 +9,11 @@ import torch
 
 from pdserve.kv_connector.base import KVConnectorBase, KVConnectorRole
 from pdserve.kv_connector.nixl.metadata import NixlConnectorMetadata
+from pdserve.kv_connector.nixl.scheduler import NixlConnectorScheduler
+from pdserve.kv_connector.nixl.worker import NixlConnectorWorker
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
-    from pdserve.kv_connector.nixl.scheduler import NixlConnectorScheduler
-    from pdserve.kv_connector.nixl.worker import NixlConnectorWorker
     from pdserve.outputs import KVConnectorOutput
     from pdserve.request import Request
     from pdserve.scheduler.block_pool import KVCacheBlock
@@ -25,14 +25,9 @@ class NixlConnector(KVConnectorBase):
         super().__init__(config, role)
         self.scheduler: NixlConnectorScheduler | None = None
         self.worker: NixlConnectorWorker | None = None
-        # Imported by role: a worker never loads the side-channel server, nor the engine a transport.
         if role is KVConnectorRole.SCHEDULER:
-            from pdserve.kv_connector.nixl.scheduler import NixlConnectorScheduler
-
             self.scheduler = NixlConnectorScheduler(config)
         else:
-            from pdserve.kv_connector.nixl.worker import NixlConnectorWorker
-
             self.worker = NixlConnectorWorker(config, tp_rank)
 
     # ---- scheduler role ---------------------------------------------------------------------

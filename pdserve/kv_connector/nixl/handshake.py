@@ -44,7 +44,6 @@ class HandshakeServer:
                 f"The KV side channel cannot listen on {host}:{port} ({e}); set "
                 "PDSERVE_SIDE_CHANNEL_HOST / PDSERVE_SIDE_CHANNEL_PORT to a free address."
             ) from None
-        self.host = host
         self._stop = threading.Event()
         self._decoder = msgspec.msgpack.Decoder(HandshakeRequest)
         self._thread = threading.Thread(target=self._serve, name="pdserve-side-channel", daemon=True)

@@ -21,7 +21,7 @@ import torch
 
 from pdserve import envs
 from pdserve.config import EngineConfig
-from pdserve.kv_connector.nixl.handshake import HandshakeError, fetch_agent_metadata
+from pdserve.kv_connector.nixl.handshake import fetch_agent_metadata
 from pdserve.kv_connector.nixl.metadata import (
     AgentMetadata,
     HandshakePayload,
