@@ -56,8 +56,12 @@ def decode_step(num_reqs: int, step: int) -> SchedulerOutput:
     req_ids = [f"req-{i}" for i in range(num_reqs)]
     new_blocks = [[1000 + i] if (step + i) % 16 == 0 else None for i in range(num_reqs)]
     cached = CachedRequestData(
-        req_ids=req_ids, resumed_req_ids=set(), new_token_ids=[], all_token_ids={},
-        new_block_ids=new_blocks, num_computed_tokens=[100 + step] * num_reqs,
+        req_ids=req_ids,
+        resumed_req_ids=set(),
+        new_token_ids=[],
+        all_token_ids={},
+        new_block_ids=new_blocks,
+        num_computed_tokens=[100 + step] * num_reqs,
         num_output_tokens=[step] * num_reqs,
     )
     return SchedulerOutput([], cached, {r: 1 for r in req_ids}, num_reqs, set(), None)
@@ -88,9 +92,13 @@ def main() -> None:
 
             model = str(make_tiny_model("llama", Path(tmp) / "tiny"))
         config = EngineConfig.from_engine_args(
-            model=model, tensor_parallel_size=args.tp, distributed_executor_backend="mp",
-            max_num_seqs=args.num_reqs, max_num_batched_tokens=max(2048, args.num_reqs),
-            worker_cls="benchmarks.executor_overhead:NoOpWorker", async_scheduling=False,
+            model=model,
+            tensor_parallel_size=args.tp,
+            distributed_executor_backend="mp",
+            max_num_seqs=args.num_reqs,
+            max_num_batched_tokens=max(2048, args.num_reqs),
+            worker_cls="benchmarks.executor_overhead:NoOpWorker",
+            async_scheduling=False,
         )
         executor = MultiprocExecutor(config)
         try:
@@ -128,14 +136,24 @@ def main() -> None:
     print(f"{'step broadcast + collect, p99 (us)':<44}{p99:>12.1f}")
     print(f"{'idle CPU, engine + workers (% of a core)':<44}{idle_pct:>12.2f}")
     print(f"{'first step after 1 s idle, median (ms)':<44}{statistics.median(wake):>12.2f}")
-    print(f"{'  of which until every rank started (ms)':<44}{statistics.median(start_delay):>12.2f}")
+    print(
+        f"{'  of which until every rank started (ms)':<44}{statistics.median(start_delay):>12.2f}"
+    )
     print(f"({args.num_reqs} decode requests, TP={args.tp}, model-free workers)")
-    print(json.dumps({
-        "benchmark": "executor_overhead", "tp": args.tp, "num_reqs": args.num_reqs,
-        "us_per_step": round(median, 1), "us_per_step_p99": round(p99, 1),
-        "idle_cpu_pct": round(idle_pct, 2), "wake_ms": round(statistics.median(wake), 2),
-        "start_after_idle_ms": round(statistics.median(start_delay), 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "executor_overhead",
+                "tp": args.tp,
+                "num_reqs": args.num_reqs,
+                "us_per_step": round(median, 1),
+                "us_per_step_p99": round(p99, 1),
+                "idle_cpu_pct": round(idle_pct, 2),
+                "wake_ms": round(statistics.median(wake), 2),
+                "start_after_idle_ms": round(statistics.median(start_delay), 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,9 +30,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Peak memory bandwidth (TB/s) by a substring of torch.cuda.get_device_name(); first match wins.
 PEAK_BW_TBS = [
-    ("H200", 4.8), ("H100 PCIe", 2.0), ("H100", 3.35), ("H20", 4.0), ("B200", 8.0),
-    ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935), ("A100", 1.555), ("L40S", 0.864),
-    ("L40", 0.864), ("A10", 0.6), ("L4", 0.3), ("4090", 1.008), ("3090", 0.936),
+    ("H200", 4.8),
+    ("H100 PCIe", 2.0),
+    ("H100", 3.35),
+    ("H20", 4.0),
+    ("B200", 8.0),
+    ("A100-SXM4-80GB", 2.039),
+    ("A100 80GB PCIe", 1.935),
+    ("A100", 1.555),
+    ("L40S", 0.864),
+    ("L40", 0.864),
+    ("A10", 0.6),
+    ("L4", 0.3),
+    ("4090", 1.008),
+    ("3090", 0.936),
 ]
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
@@ -65,10 +76,14 @@ def _decode_metadata(batch: int, context: int, block_size: int) -> Any:
     blocks = context // block_size
     table = torch.randperm(batch * blocks, device=DEVICE).view(batch, blocks).to(torch.int32) + 1
     return AttentionMetadata(
-        num_reqs=batch, num_actual_tokens=batch, max_query_len=1, max_seq_len=context,
+        num_reqs=batch,
+        num_actual_tokens=batch,
+        max_query_len=1,
+        max_seq_len=context,
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.full((batch,), context, dtype=torch.int32, device=DEVICE),
-        block_table=table, slot_mapping=torch.zeros(batch, dtype=torch.int64, device=DEVICE),
+        block_table=table,
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=DEVICE),
     )
 
 
@@ -76,19 +91,24 @@ def attention_cases(small: bool) -> list[Case]:
     from pdserve.kernels.attention import paged_attention_torch
     from pdserve.kernels.attention_triton import paged_attention_triton
 
-    batch, context, heads, kv_heads, dim, bs = (2, 32, 4, 1, 32, 16) if small else (
-        64, 4096, 64, 8, 128, 16)
+    batch, context, heads, kv_heads, dim, bs = (
+        (2, 32, 4, 1, 32, 16) if small else (64, 4096, 64, 8, 128, 16)
+    )
     md = _decode_metadata(batch, context, bs)
     cache = _randn(batch * context // bs + 1, 2, bs, kv_heads, dim)
     query = _randn(batch, heads, dim)
     args = (query, cache, md, dim**-0.5)
     kv_bytes = batch * context * kv_heads * dim * 2 * cache.element_size()
-    return [Case(
-        "attention decode", f"B={batch} ctx={context} H={heads}/{kv_heads} d={dim} bf16",
-        lambda: paged_attention_triton(*args), lambda: paged_attention_torch(*args),
-        lambda: _err(paged_attention_triton(*args), paged_attention_torch(*args), 2e-2, 2e-2),
-        kv_bytes + 2 * query.numel() * query.element_size(),
-    )]
+    return [
+        Case(
+            "attention decode",
+            f"B={batch} ctx={context} H={heads}/{kv_heads} d={dim} bf16",
+            lambda: paged_attention_triton(*args),
+            lambda: paged_attention_torch(*args),
+            lambda: _err(paged_attention_triton(*args), paged_attention_torch(*args), 2e-2, 2e-2),
+            kv_bytes + 2 * query.numel() * query.element_size(),
+        )
+    ]
 
 
 def kv_write_cases(small: bool) -> list[Case]:
@@ -104,12 +124,16 @@ def kv_write_cases(small: bool) -> list[Case]:
         write_kv_cache_torch(key, value, caches[1], slots)
         return _err(caches[0], caches[1], 0.0)
 
-    return [Case(
-        "kv cache write", f"T={tokens} H={kv_heads} d={dim} bf16",
-        lambda: write_kv_cache_triton(key, value, caches[0], slots),
-        lambda: write_kv_cache_torch(key, value, caches[1], slots),
-        check, 4 * key.numel() * key.element_size(),
-    )]
+    return [
+        Case(
+            "kv cache write",
+            f"T={tokens} H={kv_heads} d={dim} bf16",
+            lambda: write_kv_cache_triton(key, value, caches[0], slots),
+            lambda: write_kv_cache_torch(key, value, caches[1], slots),
+            check,
+            4 * key.numel() * key.element_size(),
+        )
+    ]
 
 
 def input_prep_cases(small: bool) -> list[Case]:
@@ -127,11 +151,16 @@ def input_prep_cases(small: bool) -> list[Case]:
         out, ref = prepare_inputs_triton(*args), prepare_inputs_torch(*args)
         return max(_err(getattr(out, f), getattr(ref, f), 0.0) for f in vars(ref))
 
-    return [Case(
-        "input prep (decode)", f"reqs={rows} blocks/req={max_len // bs}",
-        lambda: prepare_inputs_triton(*args), lambda: prepare_inputs_torch(*args), check,
-        table.numel() * 4 * 2 + rows * 8 * 6,
-    )]
+    return [
+        Case(
+            "input prep (decode)",
+            f"reqs={rows} blocks/req={max_len // bs}",
+            lambda: prepare_inputs_triton(*args),
+            lambda: prepare_inputs_torch(*args),
+            check,
+            table.numel() * 4 * 2 + rows * 8 * 6,
+        )
+    ]
 
 
 def sampling_cases(small: bool) -> list[Case]:
@@ -145,10 +174,19 @@ def sampling_cases(small: bool) -> list[Case]:
     rows, vocab = (3, 1000) if small else (64, 128256)
     logits = torch.randn(rows, vocab, device=DEVICE)
     greedy = SamplingInputs(
-        temperature=torch.zeros(rows, device=DEVICE), all_greedy=True, all_random=False,
-        top_k=None, top_p=None, min_p=None, seeds=[None] * rows, output_positions=[0] * rows,
-        output_token_ids=[[] for _ in range(rows)], prompt_token_ids=None,
-        presence_penalties=None, frequency_penalties=None, repetition_penalties=None,
+        temperature=torch.zeros(rows, device=DEVICE),
+        all_greedy=True,
+        all_random=False,
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        seeds=[None] * rows,
+        output_positions=[0] * rows,
+        output_token_ids=[[] for _ in range(rows)],
+        prompt_token_ids=None,
+        presence_penalties=None,
+        frequency_penalties=None,
+        repetition_penalties=None,
     )
     sampled = sample_tokens_torch(logits, greedy)
     nbytes = logits.numel() * logits.element_size()
@@ -161,13 +199,22 @@ def sampling_cases(small: bool) -> list[Case]:
         return _err(values, ref_values, 1e-4)
 
     return [
-        Case("sample greedy", f"B={rows} V={vocab} fp32",
-             lambda: sample_tokens_triton(logits, greedy),
-             lambda: sample_tokens_torch(logits, greedy),
-             lambda: _err(sample_tokens_triton(logits, greedy), sampled, 0.0), nbytes),
-        Case("top-5 logprobs", f"B={rows} V={vocab} fp32",
-             lambda: topk_logprobs_triton(logits, sampled, 5),
-             lambda: topk_logprobs_torch(logits, sampled, 5), check_logprobs, nbytes),
+        Case(
+            "sample greedy",
+            f"B={rows} V={vocab} fp32",
+            lambda: sample_tokens_triton(logits, greedy),
+            lambda: sample_tokens_torch(logits, greedy),
+            lambda: _err(sample_tokens_triton(logits, greedy), sampled, 0.0),
+            nbytes,
+        ),
+        Case(
+            "top-5 logprobs",
+            f"B={rows} V={vocab} fp32",
+            lambda: topk_logprobs_triton(logits, sampled, 5),
+            lambda: topk_logprobs_torch(logits, sampled, 5),
+            check_logprobs,
+            nbytes,
+        ),
     ]
 
 
@@ -183,11 +230,16 @@ def norm_cases(small: bool) -> list[Case]:
         ref, ref_res = fused_add_rms_norm_torch(*args)
         return max(_err(out, ref, 1e-2, 1.6e-2), _err(res, ref_res, 1e-2, 1.6e-2))
 
-    return [Case(
-        "fused add + rmsnorm", f"T={tokens} hidden={hidden} bf16",
-        lambda: fused_add_rms_norm_triton(*args), lambda: fused_add_rms_norm_torch(*args), check,
-        4 * x.numel() * x.element_size(),
-    )]
+    return [
+        Case(
+            "fused add + rmsnorm",
+            f"T={tokens} hidden={hidden} bf16",
+            lambda: fused_add_rms_norm_triton(*args),
+            lambda: fused_add_rms_norm_torch(*args),
+            check,
+            4 * x.numel() * x.element_size(),
+        )
+    ]
 
 
 def rotary_cases(small: bool) -> list[Case]:
@@ -204,15 +256,26 @@ def rotary_cases(small: bool) -> list[Case]:
         (qo, ko), (qr, kr) = rotary_embedding_triton(*args), rotary_embedding_torch(*args)
         return max(_err(qo, qr, 1e-2, 1.6e-2), _err(ko, kr, 1e-2, 1.6e-2))
 
-    return [Case(
-        "rotary q+k", f"T={tokens} H={heads}/{kv_heads} d={dim} bf16",
-        lambda: rotary_embedding_triton(*args), lambda: rotary_embedding_torch(*args), check,
-        2 * (q.numel() + k.numel()) * q.element_size() + tokens * 2 * dim * 2,
-    )]
+    return [
+        Case(
+            "rotary q+k",
+            f"T={tokens} H={heads}/{kv_heads} d={dim} bf16",
+            lambda: rotary_embedding_triton(*args),
+            lambda: rotary_embedding_torch(*args),
+            check,
+            2 * (q.numel() + k.numel()) * q.element_size() + tokens * 2 * dim * 2,
+        )
+    ]
 
 
-FAMILIES = [attention_cases, kv_write_cases, input_prep_cases, sampling_cases, norm_cases,
-            rotary_cases]
+FAMILIES = [
+    attention_cases,
+    kv_write_cases,
+    input_prep_cases,
+    sampling_cases,
+    norm_cases,
+    rotary_cases,
+]
 
 
 def peak_bandwidth(override: float | None) -> float | None:
@@ -238,8 +301,12 @@ def run_case(case: Case, peak_tbs: float | None) -> dict[str, Any]:
         except Exception as e:
             row["ok"], row["timing_error"] = False, f"{type(e).__name__}: {e}"
             return row
-        row.update(triton_us=t_triton * 1e3, torch_us=t_torch * 1e3, speedup=t_torch / t_triton,
-                   gbps=case.bytes / t_triton / 1e6)
+        row.update(
+            triton_us=t_triton * 1e3,
+            torch_us=t_torch * 1e3,
+            speedup=t_torch / t_triton,
+            gbps=case.bytes / t_triton / 1e6,
+        )
         if peak_tbs:
             row["frac_peak"] = row["gbps"] / (peak_tbs * 1e3)
     return row
@@ -255,8 +322,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         line = f"{r['kernel']:22} {r['shape']:36} {'yes' if r['ok'] else 'NO':3} {err}"
         if "triton_us" in r:
             frac = f"{100 * r['frac_peak']:6.1f}%" if "frac_peak" in r else "      ?"
-            line += (f" {r['triton_us']:10.1f} {r['torch_us']:10.1f} {r['speedup']:6.2f}"
-                     f" {r['gbps']:8.0f} {frac}")
+            line += (
+                f" {r['triton_us']:10.1f} {r['torch_us']:10.1f} {r['speedup']:6.2f}"
+                f" {r['gbps']:8.0f} {frac}"
+            )
         print(line)
     for r in rows:
         for problem in (r["max_err"], r.get("timing_error")):
@@ -286,13 +355,29 @@ def main() -> None:
             print(f"skipped {family.__name__}: {e}")
             continue
         except Exception as e:  # an API that moved: report it, run the rest
-            rows.append({"kernel": family.__name__, "shape": "", "ok": False,
-                         "max_err": f"setup failed: {type(e).__name__}: {e}"})
+            rows.append(
+                {
+                    "kernel": family.__name__,
+                    "shape": "",
+                    "ok": False,
+                    "max_err": f"setup failed: {type(e).__name__}: {e}",
+                }
+            )
             continue
         rows.extend(run_case(c, peak) for c in cases)
     print_table(rows)
-    print(json.dumps({"device": device_name, "peak_bw_tbs": peak, "timed": ON_GPU,
-                      "all_ok": all(r["ok"] for r in rows), "skipped": skipped, "results": rows}))
+    print(
+        json.dumps(
+            {
+                "device": device_name,
+                "peak_bw_tbs": peak,
+                "timed": ON_GPU,
+                "all_ok": all(r["ok"] for r in rows),
+                "skipped": skipped,
+                "results": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

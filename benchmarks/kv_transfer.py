@@ -89,7 +89,9 @@ def raw_transfer_gbps(backend: str, num_blocks: int, block_len: int, scattered: 
     """Median GB/s of READing num_blocks * block_len bytes from another process."""
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=_owner, args=(child_conn, backend, num_blocks, block_len), daemon=True)
+    proc = ctx.Process(
+        target=_owner, args=(child_conn, backend, num_blocks, block_len), daemon=True
+    )
     proc.start()
     reader = make_transport(backend, "bench-reader")
     try:
@@ -102,7 +104,9 @@ def raw_transfer_gbps(backend: str, num_blocks: int, block_len: int, scattered: 
         _timed_read(reader, owner, local, remote)  # connect and warm up
         src = fill(num_blocks, block_len)
         for ld, rd in zip(local, remote):
-            assert torch.equal(dst[ld.offset : ld.offset + ld.length], src[rd.offset : rd.offset + rd.length])
+            assert torch.equal(
+                dst[ld.offset : ld.offset + ld.length], src[rd.offset : rd.offset + rd.length]
+            )
         times = [_timed_read(reader, owner, local, remote) for _ in range(REPS)]
         return num_blocks * block_len / statistics.median(times) / 1e9
     finally:
@@ -114,23 +118,41 @@ def raw_transfer_gbps(backend: str, num_blocks: int, block_len: int, scattered: 
             proc.join()
 
 
-def compare(backend: str, model: Path, num_blocks: int, scattered: bool, rounds: int) -> tuple[dict, dict]:
+def compare(
+    backend: str, model: Path, num_blocks: int, scattered: bool, rounds: int
+) -> tuple[dict, dict]:
     """Raw and connector reads of the same layout, alternating; (raw row, connector row)."""
     from kv_transfer_connector import connector_transfer
 
     raw, conn = [], []
     for _ in range(rounds):
         raw.append(raw_transfer_gbps(backend, num_blocks, BLOCK_LEN, scattered))
-        conn.append(connector_transfer(backend, model, num_blocks, BLOCK_LEN, scattered, REPS, CONTIGUOUS_DESCS))
+        conn.append(
+            connector_transfer(
+                backend, model, num_blocks, BLOCK_LEN, scattered, REPS, CONTIGUOUS_DESCS
+            )
+        )
     layout = "scattered" if scattered else "contiguous"
     descs = num_blocks if scattered else min(num_blocks, CONTIGUOUS_DESCS)
-    raw_row = {"backend": backend, "layout": layout, "descs": descs, "gbps": round(statistics.median(raw), 2)}
+    raw_row = {
+        "backend": backend,
+        "layout": layout,
+        "descs": descs,
+        "gbps": round(statistics.median(raw), 2),
+    }
     ratio = round(statistics.median(c["gbps"] / r for r, c in zip(raw, conn)), 2)
-    conn_row = {"backend": backend, "layout": layout, "raw_gbps": raw_row["gbps"],
-                **{key: round(statistics.median(c[key] for c in conn), 2) for key in conn[0]},
-                "ratio": ratio, "meets_target": ratio >= TARGET_RATIO}
+    conn_row = {
+        "backend": backend,
+        "layout": layout,
+        "raw_gbps": raw_row["gbps"],
+        **{key: round(statistics.median(c[key] for c in conn), 2) for key in conn[0]},
+        "ratio": ratio,
+        "meets_target": ratio >= TARGET_RATIO,
+    }
     conn_row["descs"] = int(conn_row["descs"])
-    conn_row["rounds_gbps"] = [[round(r, 2), round(c["gbps"], 2)] for r, c in zip(raw, conn)]  # [raw, connector]
+    conn_row["rounds_gbps"] = [
+        [round(r, 2), round(c["gbps"], 2)] for r, c in zip(raw, conn)
+    ]  # [raw, connector]
     conn_row["paired_meets_target"] = conn_row["paired_ratio"] >= TARGET_RATIO
     return raw_row, conn_row
 
@@ -138,42 +160,61 @@ def compare(backend: str, model: Path, num_blocks: int, scattered: bool, rounds:
 def handover_row(backend: str, model: Path) -> dict:
     from kv_transfer_connector import handover
 
-    row = {"backend": backend, **{k: round(v, 2) for k, v in handover(backend, model, REPS).items()}}
+    row = {
+        "backend": backend,
+        **{k: round(v, 2) for k, v in handover(backend, model, REPS).items()},
+    }
     row["meets_target"] = row["overhead_ms"] <= TARGET_OVERHEAD_MS
     return row
 
 
-def print_tables(mib: int, rounds: int, raw: list[dict], conn: list[dict], hand: list[dict]) -> None:
+def print_tables(
+    mib: int, rounds: int, raw: list[dict], conn: list[dict], hand: list[dict]
+) -> None:
     print(f"{'backend':<8}{'layout':<12}{'descriptors':>12}{'GB/s (median)':>16}")
     for r in raw:
         print(f"{r['backend']:<8}{r['layout']:<12}{r['descs']:>12}{r['gbps']:>16.2f}")
-    print(f"({mib} MiB of {BLOCK_LEN >> 10} KiB blocks per read, median of {REPS} reads, of {rounds} rounds)")
+    print(
+        f"({mib} MiB of {BLOCK_LEN >> 10} KiB blocks per read, median of {REPS} reads, of {rounds} rounds)"
+    )
     print()
-    print(f"{'backend':<8}{'layout':<12}{'descs':>6}{'raw GB/s':>10}{'conn GB/s':>10}{'ratio':>7}{'':>4}"
-          f"{'paired':>8}{'':>4}{'stall ms':>10}{'1st read ms':>13}{'handshake ms':>14}{'done seen ms':>14}")
+    print(
+        f"{'backend':<8}{'layout':<12}{'descs':>6}{'raw GB/s':>10}{'conn GB/s':>10}{'ratio':>7}{'':>4}"
+        f"{'paired':>8}{'':>4}{'stall ms':>10}{'1st read ms':>13}{'handshake ms':>14}{'done seen ms':>14}"
+    )
     ok = {True: "ok", False: "NO"}
     for c in conn:
-        print(f"{c['backend']:<8}{c['layout']:<12}{c['descs']:>6}{c['raw_gbps']:>10.2f}{c['gbps']:>10.2f}"
-              f"{c['ratio']:>7.2f}{ok[c['meets_target']]:>4}{c['paired_ratio']:>8.2f}"
-              f"{ok[c['paired_meets_target']]:>4}{c['step_stall_ms']:>10.1f}{c['first_read_ms']:>13.1f}"
-              f"{c['handshake_ms']:>14.1f}{c['done_seen_by_prefill_ms']:>14.1f}")
-    print(f"(connector: bind to finished_recving, median of {REPS} reads, of {rounds} rounds; ratio: connector / "
-          f"raw GB/s of the same round, median over rounds; paired: raw / connector time of back-to-back reads "
-          f"on the connector's own transport; target >= {TARGET_RATIO}. stall: longest start_load_kv + "
-          f"get_finished call of a read; handshake: first read (with it) - median read, an estimate as noisy "
-          f"as the reads; done seen: decode done -> prefill's finished_sending)")
+        print(
+            f"{c['backend']:<8}{c['layout']:<12}{c['descs']:>6}{c['raw_gbps']:>10.2f}{c['gbps']:>10.2f}"
+            f"{c['ratio']:>7.2f}{ok[c['meets_target']]:>4}{c['paired_ratio']:>8.2f}"
+            f"{ok[c['paired_meets_target']]:>4}{c['step_stall_ms']:>10.1f}{c['first_read_ms']:>13.1f}"
+            f"{c['handshake_ms']:>14.1f}{c['done_seen_by_prefill_ms']:>14.1f}"
+        )
+    print(
+        f"(connector: bind to finished_recving, median of {REPS} reads, of {rounds} rounds; ratio: connector / "
+        f"raw GB/s of the same round, median over rounds; paired: raw / connector time of back-to-back reads "
+        f"on the connector's own transport; target >= {TARGET_RATIO}. stall: longest start_load_kv + "
+        f"get_finished call of a read; handshake: first read (with it) - median read, an estimate as noisy "
+        f"as the reads; done seen: decode done -> prefill's finished_sending)"
+    )
     if hand:
         print()
-        print(f"{'backend':<8}{'handover ms':>13}{'transfer ms':>13}{'overhead ms':>13}{'':>4}{'min':>7}"
-              f"{'baseline ms':>13}{'extra ms':>10}")
+        print(
+            f"{'backend':<8}{'handover ms':>13}{'transfer ms':>13}{'overhead ms':>13}{'':>4}{'min':>7}"
+            f"{'baseline ms':>13}{'extra ms':>10}"
+        )
         for h in hand:
-            print(f"{h['backend']:<8}{h['handover_ms']:>13.1f}{h['transfer_ms']:>13.2f}{h['overhead_ms']:>13.1f}"
-                  f"{'ok' if h['meets_target'] else 'NO':>4}{h['overhead_min_ms']:>7.1f}{h['baseline_ms']:>13.1f}"
-                  f"{h['extra_ms']:>10.1f}")
-        print(f"(a {hand[0]['prompt_tokens']}-token prompt: prefill response -> decode's first streamed token; "
-              f"transfer: decode's kv_transfer_seconds; overhead: handover - transfer, target <= "
-              f"{TARGET_OVERHEAD_MS:.0f} ms; baseline: first token of a 1-token prompt on decode just before; "
-              f"extra: overhead - baseline; medians of {REPS})")
+            print(
+                f"{h['backend']:<8}{h['handover_ms']:>13.1f}{h['transfer_ms']:>13.2f}{h['overhead_ms']:>13.1f}"
+                f"{'ok' if h['meets_target'] else 'NO':>4}{h['overhead_min_ms']:>7.1f}{h['baseline_ms']:>13.1f}"
+                f"{h['extra_ms']:>10.1f}"
+            )
+        print(
+            f"(a {hand[0]['prompt_tokens']}-token prompt: prefill response -> decode's first streamed token; "
+            f"transfer: decode's kv_transfer_seconds; overhead: handover - transfer, target <= "
+            f"{TARGET_OVERHEAD_MS:.0f} ms; baseline: first token of a 1-token prompt on decode just before; "
+            f"extra: overhead - baseline; medians of {REPS})"
+        )
 
 
 def main() -> None:
@@ -181,9 +222,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=[*BACKENDS, "all"], default="all")
     parser.add_argument("--mib", type=int, default=64, help="bytes moved per read, in MiB")
-    parser.add_argument("--reps", type=int, default=REPS, help="timed reads (and handovers) per measurement")
+    parser.add_argument(
+        "--reps", type=int, default=REPS, help="timed reads (and handovers) per measurement"
+    )
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="raw / connector alternations")
-    parser.add_argument("--skip-handover", action="store_true", help="no servers, transfer speed only")
+    parser.add_argument(
+        "--skip-handover", action="store_true", help="no servers, transfer speed only"
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
     if args.reps < 1 or args.rounds < 1 or args.mib < 1:
@@ -208,9 +253,20 @@ def main() -> None:
                 hand.append(handover_row(backend, model))
     if not args.json:
         print_tables(args.mib, args.rounds, raw, conn, hand)
-    print(json.dumps({"benchmark": "kv_transfer", "mib": args.mib, "block_kib": BLOCK_LEN >> 10,
-                      "reps": args.reps, "rounds": args.rounds, "raw": raw, "connector": conn,
-                      "handover": hand}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "kv_transfer",
+                "mib": args.mib,
+                "block_kib": BLOCK_LEN >> 10,
+                "reps": args.reps,
+                "rounds": args.rounds,
+                "raw": raw,
+                "connector": conn,
+                "handover": hand,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

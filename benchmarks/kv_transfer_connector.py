@@ -64,9 +64,15 @@ def make_model(root: Path) -> Path:
 
 def engine_config(model: Path, backend: str, role: str, block_size: int = 16) -> EngineConfig:
     return EngineConfig.from_engine_args(
-        model=str(model), dtype="float32", block_size=block_size, max_model_len=MAX_MODEL_LEN,
-        kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": role,
-                            "kv_connector_extra_config": {"transport": backend}},
+        model=str(model),
+        dtype="float32",
+        block_size=block_size,
+        max_model_len=MAX_MODEL_LEN,
+        kv_transfer_config={
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"transport": backend},
+        },
     )
 
 
@@ -75,18 +81,32 @@ def block_size_for(model: Path, block_len: int) -> int:
     mc = engine_config(model, "nixl", "kv_both").model_config
     per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * mc.torch_dtype.itemsize
     if block_len % per_token:
-        raise ValueError(f"blocks of {block_len} bytes: not a whole number of {per_token}-byte tokens")
+        raise ValueError(
+            f"blocks of {block_len} bytes: not a whole number of {per_token}-byte tokens"
+        )
     return block_len // per_token
 
 
 def kv_cache(config: EngineConfig, num_blocks: int, pattern: bool) -> torch.Tensor:
     """Block-major [blocks, layers, 2, block_size, kv_heads, head_dim]: a pattern, or zeros."""
     mc = config.model_config
-    shape = (num_blocks, mc.num_layers, 2, config.cache_config.block_size, mc.num_kv_heads, mc.head_dim)
+    shape = (
+        num_blocks,
+        mc.num_layers,
+        2,
+        config.cache_config.block_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+    )
     if not pattern:
         return torch.zeros(shape, dtype=mc.torch_dtype)
     nbytes = num_blocks * torch.Size(shape[1:]).numel() * mc.torch_dtype.itemsize
-    return torch.arange(nbytes // 4, dtype=torch.int32).view(torch.uint8).view(mc.torch_dtype).view(shape)
+    return (
+        torch.arange(nbytes // 4, dtype=torch.int32)
+        .view(torch.uint8)
+        .view(mc.torch_dtype)
+        .view(shape)
+    )
 
 
 def remote_block_ids(num_blocks: int, scattered: bool, contiguous_descs: int) -> list[int]:
@@ -154,9 +174,13 @@ def _connector_read(connector: NixlConnector, meta: bytes, req_id: str) -> tuple
         time.sleep(POLL_S)
 
 
-def _transport_read(transport: Transport, agent: str, local: list[Desc], remote: list[Desc]) -> float:
+def _transport_read(
+    transport: Transport, agent: str, local: list[Desc], remote: list[Desc]
+) -> float:
     """The same READ on the connector's own transport, polled as the raw benchmark does."""
-    notif = msgspec.msgpack.encode(Notif("heartbeat", []))  # a notification the prefill side ignores
+    notif = msgspec.msgpack.encode(
+        Notif("heartbeat", [])
+    )  # a notification the prefill side ignores
     start = time.perf_counter()
     handle = transport.read(agent, local, remote, notif)
     while (state := transport.check_state(handle)) is XferState.PENDING:
@@ -167,8 +191,15 @@ def _transport_read(transport: Transport, agent: str, local: list[Desc], remote:
     return elapsed
 
 
-def connector_transfer(backend: str, model: Path, num_blocks: int, block_len: int, scattered: bool,
-                       reps: int, contiguous_descs: int) -> dict[str, float]:
+def connector_transfer(
+    backend: str,
+    model: Path,
+    num_blocks: int,
+    block_len: int,
+    scattered: bool,
+    reps: int,
+    contiguous_descs: int,
+) -> dict[str, float]:
     """READ every block of a prefill process through the connector, reps + 1 times (the first
     with the handshake); GB/s of the median read, bind to finished_recving. Each timed read is
     paired with the same READ straight on the connector's transport (alternating which goes
@@ -176,7 +207,9 @@ def connector_transfer(backend: str, model: Path, num_blocks: int, block_len: in
     block_size = block_size_for(model, block_len)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=_prefill, args=(child_conn, model, backend, block_size, num_blocks), daemon=True)
+    proc = ctx.Process(
+        target=_prefill, args=(child_conn, model, backend, block_size, num_blocks), daemon=True
+    )
     proc.start()
     connector = None
     try:
@@ -198,8 +231,13 @@ def connector_transfer(backend: str, model: Path, num_blocks: int, block_len: in
             req_id = f"bench-{rep}"
             conn.send(("lease", req_id))
             _expect(conn, "leased", req_id)
-            meta = msgspec.msgpack.encode(NixlConnectorMetadata(reqs_to_recv={
-                req_id: RecvReqMeta(local, remote, engine_id, req_id, HOST, port, 1)}))
+            meta = msgspec.msgpack.encode(
+                NixlConnectorMetadata(
+                    reqs_to_recv={
+                        req_id: RecvReqMeta(local, remote, engine_id, req_id, HOST, port, 1)
+                    }
+                )
+            )
             if rep % 2 == 1:
                 raw_times.append(_transport_read(transport, agent, *descs))
             cache.zero_()
@@ -212,17 +250,25 @@ def connector_transfer(backend: str, model: Path, num_blocks: int, block_len: in
                 raise RuntimeError(f"{backend}: read {req_id} brought wrong bytes")
             lags.append(_expect(conn, "sent", req_id) - done)
             if rep == 0:  # the connector has the prefill agent now: its name, for the raw reads
-                remote_agent = fetch_agent_metadata(HOST, port, 0, None, engine_id, TIMEOUT_S).agent_metadata
+                remote_agent = fetch_agent_metadata(
+                    HOST, port, 0, None, engine_id, TIMEOUT_S
+                ).agent_metadata
                 agent = transport.add_remote_agent(remote_agent)
             elif rep % 2 == 0:
                 raw_times.append(_transport_read(transport, agent, *descs))
             times.append(elapsed)
             stalls.append(longest)
         read = statistics.median(times[1:])
-        return {"descs": int(stats["transfer_descriptors"]), "gbps": num_blocks * block_len / read / 1e9,
-                "read_ms": read * 1e3, "paired_ratio": statistics.median(r / c for r, c in zip(raw_times, times[1:])),
-                "step_stall_ms": statistics.median(stalls[1:]) * 1e3, "first_read_ms": times[0] * 1e3,
-                "handshake_ms": (times[0] - read) * 1e3, "done_seen_by_prefill_ms": statistics.median(lags) * 1e3}
+        return {
+            "descs": int(stats["transfer_descriptors"]),
+            "gbps": num_blocks * block_len / read / 1e9,
+            "read_ms": read * 1e3,
+            "paired_ratio": statistics.median(r / c for r, c in zip(raw_times, times[1:])),
+            "step_stall_ms": statistics.median(stalls[1:]) * 1e3,
+            "first_read_ms": times[0] * 1e3,
+            "handshake_ms": (times[0] - read) * 1e3,
+            "done_seen_by_prefill_ms": statistics.median(lags) * 1e3,
+        }
     finally:
         if connector is not None:
             connector.shutdown()
@@ -240,10 +286,23 @@ def connector_transfer(backend: str, model: Path, num_blocks: int, block_len: in
 def _serve(model: Path, backend: str, role: str) -> RemoteServer:
     from tests.utils.server import RemoteServer
 
-    kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": {"transport": backend}}
+    kv = {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"transport": backend},
+    }
     return RemoteServer(
-        ["serve", "--model", str(model), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-         "--kv-transfer-config", json.dumps(kv)],
+        [
+            "serve",
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--kv-transfer-config",
+            json.dumps(kv),
+        ],
         env={"PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port())},
     )
 
@@ -258,15 +317,20 @@ def _first_token_s(client: httpx.Client, url: str, body: dict) -> float:
     with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as stream:
         stream.raise_for_status()
         for line in stream.iter_lines():  # read to the end: leaving early would abort the request
-            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["token_ids"]:
+            if (
+                first is None
+                and line.startswith("data: {")
+                and json.loads(line[6:])["choices"][0]["token_ids"]
+            ):
                 first = time.perf_counter()
     if first is None:
         raise RuntimeError(f"{url} streamed no token")
     return first - start
 
 
-def _handover_once(client: httpx.Client, prefill: RemoteServer, decode: RemoteServer, model: Path,
-                   seed: int) -> tuple[float, float, float]:
+def _handover_once(
+    client: httpx.Client, prefill: RemoteServer, decode: RemoteServer, model: Path, seed: int
+) -> tuple[float, float, float]:
     """(handover, transfer, baseline) seconds of one fresh ~1k-token prompt; the baseline is the
     first token of a 1-token prompt on decode, with no transfer."""
     from tests.utils.tiny_models import VOCAB_SIZE
@@ -276,11 +340,20 @@ def _handover_once(client: httpx.Client, prefill: RemoteServer, decode: RemoteSe
     body = {"model": str(model), "temperature": 0, "ignore_eos": True, "max_tokens": 2}
     baseline = _first_token_s(client, decode.url, {**body, "prompt": prompt[:1]})
     seconds, count = _transfer_counters(decode)
-    resp = client.post(f"{prefill.url}/v1/completions", json={
-        **body, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    resp = client.post(
+        f"{prefill.url}/v1/completions",
+        json={
+            **body,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+    )
     resp.raise_for_status()
     params = resp.json()["kv_transfer_params"]
-    handover = _first_token_s(client, decode.url, {**body, "prompt": prompt, "kv_transfer_params": params})
+    handover = _first_token_s(
+        client, decode.url, {**body, "prompt": prompt, "kv_transfer_params": params}
+    )
     deadline = time.monotonic() + 10
     while (new := _transfer_counters(decode))[1] < count + 1:  # stats ride on a later output
         if time.monotonic() > deadline:
@@ -305,10 +378,12 @@ def handover(backend: str, model: Path, reps: int) -> dict[str, float]:
     finally:
         for server in servers:
             server.stop()
-    return {"prompt_tokens": PROMPT_LEN,
-            "handover_ms": statistics.median(h for h, _, _ in samples) * 1e3,
-            "transfer_ms": statistics.median(t for _, t, _ in samples) * 1e3,
-            "overhead_ms": statistics.median(h - t for h, t, _ in samples) * 1e3,
-            "overhead_min_ms": min(h - t for h, t, _ in samples) * 1e3,
-            "baseline_ms": statistics.median(b for _, _, b in samples) * 1e3,
-            "extra_ms": statistics.median(h - t - b for h, t, b in samples) * 1e3}
+    return {
+        "prompt_tokens": PROMPT_LEN,
+        "handover_ms": statistics.median(h for h, _, _ in samples) * 1e3,
+        "transfer_ms": statistics.median(t for _, t, _ in samples) * 1e3,
+        "overhead_ms": statistics.median(h - t for h, t, _ in samples) * 1e3,
+        "overhead_min_ms": min(h - t for h, t, _ in samples) * 1e3,
+        "baseline_ms": statistics.median(b for _, _, b in samples) * 1e3,
+        "extra_ms": statistics.median(h - t - b for h, t, b in samples) * 1e3,
+    }

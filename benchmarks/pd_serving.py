@@ -32,9 +32,21 @@ def run_one(label: str, command: str, server_args: list[str], args: argparse.Nam
         wait_healthy(proc, base_url)
         model = asyncio.run(fetch_model(base_url))
         # One request first, so that neither side is timed on its first handshake or warm-up.
-        asyncio.run(benchmark(base_url, args.endpoint, model, sample_prompts(1), float("inf"), 4, args.seed))
-        return asyncio.run(benchmark(base_url, args.endpoint, model, sample_prompts(args.num_prompts),
-                                     args.request_rate, args.max_tokens, args.seed, label=label))
+        asyncio.run(
+            benchmark(base_url, args.endpoint, model, sample_prompts(1), float("inf"), 4, args.seed)
+        )
+        return asyncio.run(
+            benchmark(
+                base_url,
+                args.endpoint,
+                model,
+                sample_prompts(args.num_prompts),
+                args.request_rate,
+                args.max_tokens,
+                args.seed,
+                label=label,
+            )
+        )
     finally:
         stop_server(proc)
 
@@ -42,15 +54,20 @@ def run_one(label: str, command: str, server_args: list[str], args: argparse.Nam
 def main() -> None:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--request-rate", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--endpoint", default="/v1/chat/completions")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv[:split])
-    server_args = argv[split + 1:]
-    results = [run_one("monolithic", "serve", server_args, args), run_one("1P1D proxy", "launch", server_args, args)]
+    server_args = argv[split + 1 :]
+    results = [
+        run_one("monolithic", "serve", server_args, args),
+        run_one("1P1D proxy", "launch", server_args, args),
+    ]
     print(format_table(results))
     print(json.dumps({"benchmark": "pd_serving", "results": results}))
 

@@ -31,7 +31,15 @@ STOP_GRACE_S = 10
 
 def launch_server(port: int, server_args: list[str], command: str = "serve") -> subprocess.Popen:
     """`pdserve <command>` (serve, or launch for a split deployment behind its proxy)."""
-    cmd = [sys.executable, "-m", "pdserve.entrypoints.cli", command, "--port", str(port), *server_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.entrypoints.cli",
+        command,
+        "--port",
+        str(port),
+        *server_args,
+    ]
     # Its own process group, so that stop_server reaches the workers the server starts too.
     return subprocess.Popen(cmd, start_new_session=True)
 
@@ -70,12 +78,14 @@ def main() -> None:
     # argparse would take the server's flags after `--` as positionals, so they are split off first.
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
-    bench_argv, server_args = argv[:split], argv[split + 1:]
+    bench_argv, server_args = argv[:split], argv[split + 1 :]
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_bench_serve_args(parser)
-    parser.add_argument("--launch", action="store_true", help="start `pdserve serve` on --base-url's port")
+    parser.add_argument(
+        "--launch", action="store_true", help="start `pdserve serve` on --base-url's port"
+    )
     args = parser.parse_args(bench_argv)
     if server_args and not args.launch:
         parser.error("server flags after `--` need --launch")

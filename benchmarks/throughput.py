@@ -23,13 +23,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOPICS = [
-    "the history of Rome", "how rainbows form", "the rules of chess", "why the sky is blue",
-    "how to bake bread", "the life of bees", "the water cycle", "how computers add numbers",
-    "the planets of the solar system", "how to learn a language", "the story of the printing press",
-    "volcanoes", "how vaccines work", "the first moon landing", "photosynthesis", "ocean tides",
+    "the history of Rome",
+    "how rainbows form",
+    "the rules of chess",
+    "why the sky is blue",
+    "how to bake bread",
+    "the life of bees",
+    "the water cycle",
+    "how computers add numbers",
+    "the planets of the solar system",
+    "how to learn a language",
+    "the story of the printing press",
+    "volcanoes",
+    "how vaccines work",
+    "the first moon landing",
+    "photosynthesis",
+    "ocean tides",
 ]
 STYLES = [
-    "Explain {t} to a child.", "Write a short essay about {t}.",
+    "Explain {t} to a child.",
+    "Write a short essay about {t}.",
     "Give me five facts about {t}, each with a sentence of explanation.",
     "Describe {t} in detail, as a teacher would to a class of curious students who ask many questions.",
 ]
@@ -56,7 +69,9 @@ def resolve_model(name: str, tmp: Path) -> str:
     return name
 
 
-def run_pdserve(model: str, prompts: list[list[int]], output_len: int, dtype: str, tp: int) -> float:
+def run_pdserve(
+    model: str, prompts: list[list[int]], output_len: int, dtype: str, tp: int
+) -> float:
     from pdserve import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_model_len=1024, tensor_parallel_size=tp)
@@ -72,7 +87,9 @@ def run_pdserve(model: str, prompts: list[list[int]], output_len: int, dtype: st
 
 @torch.inference_mode()
 def run_hf(model, pad_id: int, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
-    model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=pad_id)
+    model.generate(
+        torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=pad_id
+    )
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
@@ -80,8 +97,12 @@ def run_hf(model, pad_id: int, prompts: list[list[int]], output_len: int, batch_
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-            min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            pad_token_id=pad_id,
         )
         assert out.shape[1] == width + output_len
     return time.perf_counter() - start
@@ -106,7 +127,9 @@ def main() -> None:
         prompts = make_prompts(tokenizer, args.num_prompts)
         total_tokens = args.num_prompts * args.output_len
 
-        pd_time = run_pdserve(model, prompts, args.output_len, args.dtype, args.tensor_parallel_size)
+        pd_time = run_pdserve(
+            model, prompts, args.output_len, args.dtype, args.tensor_parallel_size
+        )
         gc.collect()
         from tests.utils.tiny_models import load_hf_model
 
@@ -118,16 +141,27 @@ def main() -> None:
     print(f"{'engine':<14}{'seconds':>10}{'output tok/s':>15}")
     print(f"{'pdserve':<14}{pd_time:>10.2f}{pd_tps:>15.1f}")
     print(f"{'hf generate':<14}{hf_time:>10.2f}{hf_tps:>15.1f}")
-    print(f"ratio pdserve / HF: {pd_tps / hf_tps:.2f}x  ({args.num_prompts} prompts x {args.output_len} tokens, "
-          f"{args.model}, {args.dtype}, TP={args.tensor_parallel_size}, HF batch {args.hf_batch_size}, "
-          f"{torch.get_num_threads()} threads)")
-    print(json.dumps({
-        "benchmark": "throughput", "model": args.model, "dtype": args.dtype,
-        "num_prompts": args.num_prompts, "output_len": args.output_len,
-        "pdserve_tok_s": round(pd_tps, 1), "hf_tok_s": round(hf_tps, 1),
-        "ratio": round(pd_tps / hf_tps, 2), "hf_batch_size": args.hf_batch_size,
-        "tensor_parallel_size": args.tensor_parallel_size,
-    }))
+    print(
+        f"ratio pdserve / HF: {pd_tps / hf_tps:.2f}x  ({args.num_prompts} prompts x {args.output_len} tokens, "
+        f"{args.model}, {args.dtype}, TP={args.tensor_parallel_size}, HF batch {args.hf_batch_size}, "
+        f"{torch.get_num_threads()} threads)"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "throughput",
+                "model": args.model,
+                "dtype": args.dtype,
+                "num_prompts": args.num_prompts,
+                "output_len": args.output_len,
+                "pdserve_tok_s": round(pd_tps, 1),
+                "hf_tok_s": round(hf_tps, 1),
+                "ratio": round(pd_tps / hf_tps, 2),
+                "hf_batch_size": args.hf_batch_size,
+                "tensor_parallel_size": args.tensor_parallel_size,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,16 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-tokens", type=int, default=48)
     args, extra = parser.parse_known_args()
-    cmd = [sys.executable, "-m", "pdserve.entrypoints.cli", "launch", "--port", str(args.port),
-           *(["--model", args.model] if args.model else []), *[a for a in extra if a != "--"]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.entrypoints.cli",
+        "launch",
+        "--port",
+        str(args.port),
+        *(["--model", args.model] if args.model else []),
+        *[a for a in extra if a != "--"],
+    ]
     print("$", " ".join(cmd[2:]), flush=True)
     launch = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
@@ -50,13 +58,17 @@ def main() -> int:
         if launch.poll() is not None:
             print("the deployment failed to start", file=sys.stderr)
             return 1
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0
+        )
         model = client.models.list().data[0].id
         seen: dict[str, tuple[float, float]] = {}  # decode url -> (bytes, seconds) before
         for prompt in PROMPTS:
             start = time.perf_counter()
             raw = client.chat.completions.with_raw_response.create(
-                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=args.max_tokens,
                 temperature=0,
             )
             elapsed = time.perf_counter() - start
@@ -64,13 +76,18 @@ def main() -> int:
             answer = raw.parse()
             print(f"\nPrompt: {prompt}\nAnswer: {answer.choices[0].message.content.strip()}")
             # A fresh deployment and one request at a time: the counters' deltas are this request's.
-            now = (metric(decode_url, "kv_transfer_bytes_total"), metric(decode_url, "kv_transfer_seconds_total"))
+            now = (
+                metric(decode_url, "kv_transfer_bytes_total"),
+                metric(decode_url, "kv_transfer_seconds_total"),
+            )
             before = seen.get(decode_url, (0.0, 0.0))
             seen[decode_url] = now
             # The decode side reads only the blocks its prefix cache lacks (a shared system prompt).
-            print(f"  KV handed over: {raw.headers['x-pd-kv-blocks']} blocks held by prefill, "
-                  f"{(now[0] - before[0]) / 2**10:.0f} KiB read by decode in {(now[1] - before[1]) * 1e3:.1f} ms "
-                  f"(request {elapsed * 1e3:.0f} ms, {answer.usage.completion_tokens} tokens)")
+            print(
+                f"  KV handed over: {raw.headers['x-pd-kv-blocks']} blocks held by prefill, "
+                f"{(now[0] - before[0]) / 2**10:.0f} KiB read by decode in {(now[1] - before[1]) * 1e3:.1f} ms "
+                f"(request {elapsed * 1e3:.0f} ms, {answer.usage.completion_tokens} tokens)"
+            )
         return 0
     finally:
         launch.send_signal(signal.SIGTERM)

@@ -81,7 +81,9 @@ class ParallelConfig:
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         check_positive("prefill_context_parallel_size", self.prefill_context_parallel_size)
         check_choice(
-            "distributed_executor_backend", self.distributed_executor_backend, (None, "uni", "mp", "ray")
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            (None, "uni", "mp", "ray"),
         )
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
@@ -129,7 +131,10 @@ class EngineConfig:
     def from_engine_args(cls, **kwargs: Any) -> "EngineConfig":
         """Build from vLLM's flat engine-argument names (`LLM(...)`, the CLI)."""
         parts: dict[type, dict[str, Any]] = {
-            ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}, ParallelConfig: {}
+            ModelConfig: {},
+            CacheConfig: {},
+            SchedulerConfig: {},
+            ParallelConfig: {},
         }
         top: dict[str, Any] = {}
         for name, value in kwargs.items():
@@ -177,7 +182,10 @@ class EngineConfig:
                 "every stage needs at least one layer."
             )
         tp, hf = self.parallel_config.tensor_parallel_size, self.model_config.hf_config
-        heads = {"attention heads": hf.num_attention_heads, "KV heads": self.model_config.num_kv_heads}
+        heads = {
+            "attention heads": hf.num_attention_heads,
+            "KV heads": self.model_config.num_kv_heads,
+        }
         for what, count in heads.items():
             if count % tp:
                 raise ValueError(
@@ -263,7 +271,9 @@ class EngineConfig:
     def _validate_v1_model_runner(self) -> None:
         # Runner V1 implements custom logits processors; everything else V2 lacks, V1 lacks too.
         features = [
-            f for f in self._get_v2_model_runner_unsupported_features() if f != "custom logits processors"
+            f
+            for f in self._get_v2_model_runner_unsupported_features()
+            if f != "custom logits processors"
         ]
         if features:
             raise ValueError("Model Runner V1 does not support: " + ", ".join(features))

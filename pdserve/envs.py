@@ -36,7 +36,9 @@ def cpu_kv_cache_space_gib() -> float:
     try:
         space = float(value)
     except ValueError:
-        raise ValueError(f"PDSERVE_CPU_KVCACHE_SPACE must be a number of GiB, got {value!r}.") from None
+        raise ValueError(
+            f"PDSERVE_CPU_KVCACHE_SPACE must be a number of GiB, got {value!r}."
+        ) from None
     if space <= 0:
         raise ValueError(f"PDSERVE_CPU_KVCACHE_SPACE must be positive, got {value!r}.")
     return space
@@ -69,7 +71,9 @@ def side_channel_port() -> int:
     try:
         port = int(value)
     except ValueError:
-        raise ValueError(f"PDSERVE_SIDE_CHANNEL_PORT must be a port number, got {value!r}.") from None
+        raise ValueError(
+            f"PDSERVE_SIDE_CHANNEL_PORT must be a port number, got {value!r}."
+        ) from None
     if not 0 < port < 65536:
         raise ValueError(f"PDSERVE_SIDE_CHANNEL_PORT must be in 1..65535, got {port}.")
     return port

@@ -11,8 +11,15 @@ from pdserve.validation import check_choice
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 TRANSPORTS = ("nixl", "ucx")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
-_EXTRA_KEYS = {"transport", "kv_lease_duration", "kv_load_failure_policy", "enforce_handshake_compat",
-               "handshake_timeout", "transfer_timeout", "ucx_tls"}
+_EXTRA_KEYS = {
+    "transport",
+    "kv_lease_duration",
+    "kv_load_failure_policy",
+    "enforce_handshake_compat",
+    "handshake_timeout",
+    "transfer_timeout",
+    "ucx_tls",
+}
 
 
 @dataclass
@@ -26,10 +33,14 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         from pdserve.kv_connector.factory import KVConnectorFactory
 
-        check_choice("kv_transfer_config.kv_connector", self.kv_connector, KVConnectorFactory.names())
+        check_choice(
+            "kv_transfer_config.kv_connector", self.kv_connector, KVConnectorFactory.names()
+        )
         check_choice("kv_transfer_config.kv_role", self.kv_role, KV_ROLES)
         if not isinstance(self.engine_id, str) or not self.engine_id:
-            raise ValueError(f"kv_transfer_config.engine_id must be a non-empty string, got {self.engine_id!r}.")
+            raise ValueError(
+                f"kv_transfer_config.engine_id must be a non-empty string, got {self.engine_id!r}."
+            )
         if not isinstance(self.kv_connector_extra_config, dict):
             raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object.")
         unknown = set(self.kv_connector_extra_config) - _EXTRA_KEYS
@@ -38,9 +49,14 @@ class KVTransferConfig:
                 f"kv_transfer_config.kv_connector_extra_config has unknown keys {sorted(unknown)}; "
                 f"known: {sorted(_EXTRA_KEYS)}."
             )
-        check_choice("kv_transfer_config.kv_connector_extra_config.transport", self.transport, TRANSPORTS)
-        check_choice("kv_transfer_config.kv_connector_extra_config.kv_load_failure_policy",
-                     self.kv_load_failure_policy, LOAD_FAILURE_POLICIES)
+        check_choice(
+            "kv_transfer_config.kv_connector_extra_config.transport", self.transport, TRANSPORTS
+        )
+        check_choice(
+            "kv_transfer_config.kv_connector_extra_config.kv_load_failure_policy",
+            self.kv_load_failure_policy,
+            LOAD_FAILURE_POLICIES,
+        )
         for name in ("kv_lease_duration", "handshake_timeout", "transfer_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -49,9 +65,13 @@ class KVTransferConfig:
                     f"of seconds, got {value!r}."
                 )
         if self.ucx_tls is not None and (not isinstance(self.ucx_tls, str) or not self.ucx_tls):
-            raise ValueError("kv_transfer_config.kv_connector_extra_config.ucx_tls must be a non-empty string.")
+            raise ValueError(
+                "kv_transfer_config.kv_connector_extra_config.ucx_tls must be a non-empty string."
+            )
         if not isinstance(self.enforce_handshake_compat, bool):
-            raise ValueError("kv_transfer_config.kv_connector_extra_config.enforce_handshake_compat must be a bool.")
+            raise ValueError(
+                "kv_transfer_config.kv_connector_extra_config.enforce_handshake_compat must be a bool."
+            )
 
     @classmethod
     def from_any(cls, value: "KVTransferConfig | dict[str, Any]") -> "KVTransferConfig":

@@ -14,8 +14,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pdserve.outputs import RequestOutput
 from pdserve.scheduler.scheduler import SchedulerStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 @dataclass
@@ -39,24 +58,39 @@ class EngineMetrics:
             return Counter(f"pdserve:{name}", doc, names, registry=self.registry).labels(**labels)
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(f"pdserve:{name}", doc, names, buckets=_LATENCY_BUCKETS,
-                             registry=self.registry).labels(**labels)
+            return Histogram(
+                f"pdserve:{name}", doc, names, buckets=_LATENCY_BUCKETS, registry=self.registry
+            ).labels(**labels)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled."
+        )
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."
+        )
         self.kv_cache_free_blocks = gauge("kv_cache_free_blocks", "Free KV cache blocks.")
-        self.kv_cache_total_blocks = gauge("kv_cache_total_blocks", "KV cache blocks, the null block included.")
+        self.kv_cache_total_blocks = gauge(
+            "kv_cache_total_blocks", "KV cache blocks, the null block included."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Time to the first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
-        self._finished = Counter("pdserve:request_success", "Finished requests by finish reason.",
-                                 [*names, "finished_reason"], registry=self.registry)
+        self._finished = Counter(
+            "pdserve:request_success",
+            "Finished requests by finish reason.",
+            [*names, "finished_reason"],
+            registry=self.registry,
+        )
         kv_docs = {
             "transfers": "KV loads completed (decode side).",
             "transfer_seconds": "Seconds spent in KV loads, start to last byte.",
@@ -83,8 +117,16 @@ class EngineMetrics:
         # The engine's counters are cumulative; Prometheus counters only go up by deltas.
         for counter, now, before in (
             (self.num_preemptions, stats.num_preemptions, last.num_preemptions if last else 0),
-            (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries if last else 0),
-            (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits if last else 0),
+            (
+                self.prefix_cache_queries,
+                stats.prefix_cache_queries,
+                last.prefix_cache_queries if last else 0,
+            ),
+            (
+                self.prefix_cache_hits,
+                stats.prefix_cache_hits,
+                last.prefix_cache_hits if last else 0,
+            ),
         ):
             if now > before:
                 counter.inc(now - before)
@@ -119,7 +161,9 @@ class EngineMetrics:
             self.e2e.observe(now - times.arrival)
             self.prompt_tokens.inc(times.num_prompt_tokens)
             for completion in output.outputs:
-                self._finished.labels(**self._labels, finished_reason=completion.finish_reason).inc()
+                self._finished.labels(
+                    **self._labels, finished_reason=completion.finish_reason
+                ).inc()
 
     def request_ended(self, request_id: str, reason: str) -> None:
         """A request that ended without a finished output: aborted, rejected, engine dead."""

@@ -27,7 +27,9 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stats: dict[str, float] | None = None
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids or self.stats)
+        return not (
+            self.finished_sending or self.finished_recving or self.invalid_block_ids or self.stats
+        )
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -47,7 +47,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+            raise ValueError(
+                f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}."
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -66,7 +68,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+            raise ValueError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}."
+            )
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}.")
         if self.stop is not None and any(not s for s in self.stop):

@@ -83,9 +83,11 @@ class AsyncLLM:
         finished = False
         try:
             for child_id, child_params in children:
-                self.client.add_request(self.input_processor.make_request(
-                    child_id, token_ids, child_params, kv_transfer_params
-                ))
+                self.client.add_request(
+                    self.input_processor.make_request(
+                        child_id, token_ids, child_params, kv_transfer_params
+                    )
+                )
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -76,8 +76,11 @@ class EngineCore:
     def _has_work(self) -> bool:
         # A step also runs to tell the workers which requests finished since the last one, and
         # to poll the connector's transfers.
-        return (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
-                or self.has_pending_transfers())
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.scheduler.has_finished_requests()
+            or self.has_pending_transfers()
+        )
 
     def has_work(self) -> bool:
         """False only when a step would do nothing: the engine loop may then block."""

@@ -21,7 +21,12 @@ import zmq.asyncio
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core_proc import run_engine_core
-from pdserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall
+from pdserve.engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityCall,
+)
 from pdserve.executor.zmq_utils import make_ipc_address
 from pdserve.utils import wait_for_ready
 
@@ -59,7 +64,8 @@ class AsyncEngineCoreClient:
         death_reader, self._death_writer = ctx.Pipe(duplex=False)
         # Not a daemon: the engine starts worker processes of its own.
         self.proc = ctx.Process(
-            target=run_engine_core, name="pdserve-engine-core",
+            target=run_engine_core,
+            name="pdserve-engine-core",
             args=(config, input_addr, output_addr, ready_writer, death_reader),
         )
         self.proc.start()
@@ -139,7 +145,10 @@ class AsyncEngineCoreClient:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending_calls[call_id] = future
         self.input_socket.send_multipart(
-            (EngineCoreRequestType.UTILITY.value, self.encoder.encode(UtilityCall(call_id, method, list(args))))
+            (
+                EngineCoreRequestType.UTILITY.value,
+                self.encoder.encode(UtilityCall(call_id, method, list(args))),
+            )
         )
         try:
             result = await asyncio.wait_for(future, timeout)
@@ -160,7 +169,9 @@ class AsyncEngineCoreClient:
         self._death_writer.close()
         self.proc.join(_SHUTDOWN_GRACE_S)
         if self.proc.is_alive():
-            logger.warning("The engine process did not stop in %.0f s; killing it", _SHUTDOWN_GRACE_S)
+            logger.warning(
+                "The engine process did not stop in %.0f s; killing it", _SHUTDOWN_GRACE_S
+            )
             self.proc.kill()
             self.proc.join(5)
         self.input_socket.close(linger=0)

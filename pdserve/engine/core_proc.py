@@ -81,8 +81,11 @@ class EngineCoreProc:
             outputs = self.engine.step()
             if outputs or changed or rejected:
                 scheduler_stats, kv_stats = self._stats()
-                self._send(EngineCoreOutputs(time.time(), outputs, scheduler_stats, kv_stats,
-                                             rejected=rejected or None))
+                self._send(
+                    EngineCoreOutputs(
+                        time.time(), outputs, scheduler_stats, kv_stats, rejected=rejected or None
+                    )
+                )
 
     def _drain_inputs(self, rejected: dict[str, str]) -> bool:
         changed = False
@@ -132,12 +135,14 @@ class EngineCoreProc:
 
 
 def run_engine_core(
-    config: EngineConfig, input_addr: str, output_addr: str, ready_writer: Connection,
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    ready_writer: Connection,
     death_reader: Connection,
 ) -> None:
     exit_with_parent(death_reader)
-    logging.basicConfig(level=envs.log_level(),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     try:
         engine = EngineCore(config)
         proc = EngineCoreProc(engine, input_addr, output_addr)

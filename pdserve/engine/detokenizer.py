@@ -12,7 +12,10 @@ _CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens

@@ -54,7 +54,9 @@ class InputProcessor:
     def check_prompt(self, token_ids: list[int]) -> None:
         check_prompt(token_ids, self.vocab_size, self.max_model_len)
 
-    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: ChatMessages, add_generation_prompt: bool = True
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("The model's tokenizer has no chat template; use completions.")
         ids = self.tokenizer.apply_chat_template(
@@ -79,7 +81,10 @@ class InputProcessor:
                 params, stop_token_ids=list(dict.fromkeys((params.stop_token_ids or []) + extra))
             )
         return EngineCoreRequest(
-            request_id, token_ids, params, primary_eos,
+            request_id,
+            token_ids,
+            params,
+            primary_eos,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             kv_transfer_params=kv_transfer_params,
         )

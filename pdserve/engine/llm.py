@@ -72,7 +72,9 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: ChatMessages, add_generation_prompt: bool = True
+    ) -> list[int]:
         return self.input_processor.apply_chat_template(messages, add_generation_prompt)
 
     def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:

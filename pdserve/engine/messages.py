@@ -34,8 +34,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
     def to_request(self) -> Request:
         return Request(
-            self.request_id, self.prompt_token_ids, self.sampling_params, self.eos_token_id,
-            arrival_time=self.arrival_time, priority=self.priority,
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            self.eos_token_id,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
             kv_transfer_params=self.kv_transfer_params,
         )
 

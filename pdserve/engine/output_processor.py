@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestOutput
+from pdserve.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    LogprobsLists,
+    RequestOutput,
+)
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
 
@@ -84,7 +90,11 @@ class OutputProcessor:
         self.child_to_parent: dict[str, tuple[str, int]] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
     ) -> list[tuple[str, SamplingParams]]:
         """Register a request; returns the (engine request id, params) of its n sequences."""
         if request_id in self.requests:
@@ -96,7 +106,9 @@ class OutputProcessor:
                 _SequenceState(
                     index=i,
                     params=seq_params,
-                    detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params),
+                    detokenizer=IncrementalDetokenizer(
+                        self.tokenizer, prompt_token_ids, seq_params
+                    ),
                     logprobs=[] if params.logprobs is not None else None,
                     cumulative_logprob=0.0 if params.logprobs is not None else None,
                 )

@@ -41,9 +41,12 @@ TABLE_ROWS: list[tuple[str, str, str]] = [
 ]
 
 PROMPTS: tuple[str, ...] = (
-    "What is the capital of France?", "Name three primary colors.",
-    "Write one sentence about the ocean.", "Explain photosynthesis to a child.",
-    "Give me five facts about the planet Mars.", "What causes the tides?",
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the ocean.",
+    "Explain photosynthesis to a child.",
+    "Give me five facts about the planet Mars.",
+    "What causes the tides?",
     "Translate 'good morning, how are you?' into Spanish and German.",
     "Write a haiku about autumn leaves falling in a quiet park.",
     "What is the difference between a virus and a bacterium?",
@@ -53,22 +56,26 @@ PROMPTS: tuple[str, ...] = (
     "Why is the sky blue during the day and red at sunset?",
     "Write a short story about a robot who learns to paint, in which the robot first copies famous "
     "paintings, then slowly finds its own style, and finally opens a small gallery in a seaside town.",
-    "How do vaccines train the immune system?", "Explain recursion with an example in Python.",
+    "How do vaccines train the immune system?",
+    "Explain recursion with an example in Python.",
     "Compare trains and airplanes for a 500 kilometre trip: cost, time, comfort and emissions.",
     "Write a polite email to a colleague asking to move tomorrow's meeting to Friday afternoon, "
     "explaining that a customer visit was scheduled at the same time and cannot be moved.",
-    "What were the main causes of the First World War?", "How does a refrigerator keep food cold?",
+    "What were the main causes of the First World War?",
+    "How does a refrigerator keep food cold?",
     "Describe the water cycle, naming each stage and what drives it.",
     "Give three tips for learning a new language as an adult.",
     "You are a tour guide in Rome. A group of tourists has just arrived at the Colosseum and has "
     "one hour before lunch. They are interested in gladiators, architecture and how the building "
     "was used after the fall of the empire. Tell them what they are looking at and what to see first.",
-    "Write a limerick about a cat who loves cheese.", "Describe a sunrise over the mountains.",
+    "Write a limerick about a cat who loves cheese.",
+    "Describe a sunrise over the mountains.",
     "What is the Pythagorean theorem, and where is it used in everyday life?",
     "Explain what inflation is and why central banks raise interest rates to fight it.",
     "A farmer has chickens and cows. Together they have 30 heads and 74 legs. How many chickens "
     "and how many cows does the farmer have? Show your reasoning step by step.",
-    "What is machine learning?", "Tell me a fun fact about octopuses.",
+    "What is machine learning?",
+    "Tell me a fun fact about octopuses.",
     "Write a product description for a waterproof hiking backpack with a 30 litre capacity.",
     "Explain how the printing press changed Europe in the fifteenth and sixteenth centuries, "
     "covering literacy, religion, science and the spread of news.",
@@ -104,10 +111,15 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def build_payload(endpoint: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+def build_payload(
+    endpoint: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool
+) -> dict:
     payload: dict = {
-        "model": model, "max_tokens": max_tokens, "temperature": 0.0,
-        "stream": True, "stream_options": {"include_usage": True},
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     # Absent rather than false: servers without the extension (OpenAI's own) reject unknown fields.
     if ignore_eos:
@@ -144,7 +156,7 @@ async def send_request(
                 line = raw.strip()
                 if not line.startswith(b"data:"):  # blank event separators, ": keep-alive" comments
                     continue
-                data = line[len(b"data:"):].strip()
+                data = line[len(b"data:") :].strip()
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
@@ -180,9 +192,13 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     summary: dict = {
-        "duration": duration, "completed": len(done), "failed": len(results) - len(done),
-        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
-        "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
     }
     series = {
@@ -202,7 +218,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 async def fetch_model(base_url: str, api_key: str | None = None) -> str:
     """The first model the server lists at /v1/models."""
     async with aiohttp.ClientSession() as session:
-        async with session.get(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key)) as resp:
+        async with session.get(
+            base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key)
+        ) as resp:
             resp.raise_for_status()
             models = (await resp.json())["data"]
     if not models:
@@ -211,8 +229,16 @@ async def fetch_model(base_url: str, api_key: str | None = None) -> str:
 
 
 async def benchmark(
-    base_url: str, endpoint: str, model: str, prompts: list[str], request_rate: float, max_tokens: int,
-    seed: int, max_concurrency: int | None = None, api_key: str | None = None, ignore_eos: bool = True,
+    base_url: str,
+    endpoint: str,
+    model: str,
+    prompts: list[str],
+    request_rate: float,
+    max_tokens: int,
+    seed: int,
+    max_concurrency: int | None = None,
+    api_key: str | None = None,
+    ignore_eos: bool = True,
     label: str | None = None,
 ) -> dict:
     """Stream one request per prompt at Poisson arrivals; the summary dict (see `format_table`)."""
@@ -245,11 +271,16 @@ async def benchmark(
         results = await asyncio.gather(*(arrive(p, o) for p, o in zip(prompts, offsets)))
         duration = time.perf_counter() - start
     return {
-        "label": label or base_url, "base_url": base_url, "endpoint": endpoint, "model": model,
+        "label": label or base_url,
+        "base_url": base_url,
+        "endpoint": endpoint,
+        "model": model,
         "num_prompts": len(prompts),
         # A string, as vLLM writes it: JSON has no infinity.
         "request_rate": "inf" if math.isinf(request_rate) else request_rate,
-        "max_concurrency": max_concurrency, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
+        "max_concurrency": max_concurrency,
+        "max_tokens": max_tokens,
+        "ignore_eos": ignore_eos,
         **summarize(results, duration),
     }
 
@@ -262,7 +293,9 @@ def format_table(results: list[dict]) -> str:
     header = "Metric".ljust(name_width) + "".join(label.rjust(col_width) for label in labels)
     lines = [header, "-" * len(header)]
     for title, key, fmt in TABLE_ROWS:
-        lines.append(title.ljust(name_width) + "".join(format(r[key], fmt).rjust(col_width) for r in results))
+        lines.append(
+            title.ljust(name_width) + "".join(format(r[key], fmt).rjust(col_width) for r in results)
+        )
     return "\n".join(lines)
 
 
@@ -272,14 +305,24 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
     parser.add_argument("--model", default=None, help="default: the first model at /v1/models")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests/s with Poisson arrivals; inf (default): all at once")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s with Poisson arrivals; inf (default): all at once",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="generate exactly --max-tokens per request")
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly --max-tokens per request",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--label", default=None, help="column name in the table (default: the base URL)")
+    parser.add_argument(
+        "--label", default=None, help="column name in the table (default: the base URL)"
+    )
     parser.add_argument("--result-json", default=None, metavar="PATH")
     parser.add_argument("--api-key", default=None)
 
@@ -287,10 +330,21 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
 def run_bench_serve(args: argparse.Namespace) -> dict:
     """Run the benchmark the flags describe, print its table (and first errors), write --result-json."""
     model = args.model or asyncio.run(fetch_model(args.base_url, args.api_key))
-    result = asyncio.run(benchmark(
-        args.base_url, args.endpoint, model, sample_prompts(args.num_prompts), args.request_rate,
-        args.max_tokens, args.seed, args.max_concurrency, args.api_key, args.ignore_eos, args.label,
-    ))
+    result = asyncio.run(
+        benchmark(
+            args.base_url,
+            args.endpoint,
+            model,
+            sample_prompts(args.num_prompts),
+            args.request_rate,
+            args.max_tokens,
+            args.seed,
+            args.max_concurrency,
+            args.api_key,
+            args.ignore_eos,
+            args.label,
+        )
+    )
     print(format_table([result]))
     for error in result["errors"][:MAX_ERRORS_SHOWN]:
         print(f"error: {error}")

@@ -18,23 +18,41 @@ DEMO_PROMPTS = [
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, with vLLM's names."""
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    parser.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None)
+    parser.add_argument(
+        "--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    parser.add_argument("--kv-transfer-config", type=_json_object, default=None,
-                        help='KV connector settings as JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\'')
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients use (default: --model)"
+    )
+    parser.add_argument(
+        "--kv-transfer-config",
+        type=_json_object,
+        default=None,
+        help='KV connector settings as JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\'',
+    )
 
 
 def _json_object(value: str) -> dict:
@@ -49,10 +67,22 @@ def _json_object(value: str) -> dict:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     names = [
-        "model", "dtype", "max_model_len", "block_size", "num_gpu_blocks_override",
-        "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
-        "enable_chunked_prefill", "seed", "tensor_parallel_size", "pipeline_parallel_size",
-        "distributed_executor_backend", "enforce_eager", "served_model_name", "kv_transfer_config",
+        "model",
+        "dtype",
+        "max_model_len",
+        "block_size",
+        "num_gpu_blocks_override",
+        "enable_prefix_caching",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_chunked_prefill",
+        "seed",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "distributed_executor_backend",
+        "enforce_eager",
+        "served_model_name",
+        "kv_transfer_config",
     ]
     return {n: getattr(args, n) for n in names}
 
@@ -61,7 +91,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams
 
     prompts = args.prompt or DEMO_PROMPTS
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed
+    )
     start = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
     try:
@@ -69,7 +101,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.no_chat:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         else:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+            outputs = llm.chat(
+                [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False
+            )
         done = time.perf_counter()
     finally:
         llm.shutdown()
@@ -116,11 +150,15 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="offline generation for a few prompts")
     add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: demo prompts")
+    gen.add_argument(
+        "--prompt", action="append", help="a prompt (repeatable); default: demo prompts"
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--no-chat", action="store_true", help="plain completion instead of the chat template")
+    gen.add_argument(
+        "--no-chat", action="store_true", help="plain completion instead of the chat template"
+    )
     gen.set_defaults(func=cmd_generate)
 
     from pdserve.entrypoints.bench_serve import add_bench_serve_args
@@ -137,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     add_proxy_args(proxy)
     proxy.set_defaults(func=cmd_proxy)
 
-    launch = sub.add_parser("launch", help="prefill and decode instances and the proxy, as child processes",
-                            epilog="Other flags (e.g. --dtype float32) are passed on to every instance.")
+    launch = sub.add_parser(
+        "launch",
+        help="prefill and decode instances and the proxy, as child processes",
+        epilog="Other flags (e.g. --dtype float32) are passed on to every instance.",
+    )
     add_launch_args(launch)
     launch.set_defaults(func=cmd_launch)
 

@@ -45,10 +45,25 @@ class Launcher:
         self.host = host
         self.children: list[Child] = []
 
-    def spawn(self, name: str, args: list[str], port: int, env: dict[str, str] | None = None) -> Child:
-        cmd = [sys.executable, "-m", "pdserve.entrypoints.cli", *args, "--host", self.host, "--port", str(port)]
-        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+    def spawn(
+        self, name: str, args: list[str], port: int, env: dict[str, str] | None = None
+    ) -> Child:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.entrypoints.cli",
+            *args,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         child = Child(name, proc, f"http://{self.host}:{port}")
         self.children.append(child)
         logger.info("started %s (pid %d): %s", name, proc.pid, " ".join(cmd))
@@ -60,14 +75,18 @@ class Launcher:
         while pending:
             for child in list(pending):
                 if child.proc.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} during start-up")
+                    raise RuntimeError(
+                        f"{child.name} exited with code {child.proc.returncode} during start-up"
+                    )
                 try:
                     if httpx.get(f"{child.url}/health", timeout=2).status_code == 200:
                         pending.remove(child)
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {', '.join(c.name for c in pending)}")
+                raise RuntimeError(
+                    f"not healthy after {timeout_s:.0f} s: {', '.join(c.name for c in pending)}"
+                )
             time.sleep(0.25)
 
     def first_exited(self) -> Child | None:
@@ -106,8 +125,13 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _kv_config(role: str, transport: str) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"transport": transport}})
+    return json.dumps(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"transport": transport},
+        }
+    )
 
 
 def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
@@ -129,27 +153,57 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
     threads = str(max(1, (os.cpu_count() or 1) // num_workers))
     try:
         instances = {"prefill": [], "decode": []}
-        for role, count, tp in (("prefill", args.prefill, args.prefill_tp), ("decode", args.decode, args.decode_tp)):
+        for role, count, tp in (
+            ("prefill", args.prefill, args.prefill_tp),
+            ("decode", args.decode, args.decode_tp),
+        ):
             for i in range(count):
                 kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-                serve = ["serve", *model, "--kv-transfer-config", _kv_config(kv_role, args.transport),
-                         "--tensor-parallel-size", str(tp), *instance_args]
+                serve = [
+                    "serve",
+                    *model,
+                    "--kv-transfer-config",
+                    _kv_config(kv_role, args.transport),
+                    "--tensor-parallel-size",
+                    str(tp),
+                    *instance_args,
+                ]
                 if tp > 1:
                     serve += ["--distributed-executor-backend", "mp"]
-                env = {"PDSERVE_SIDE_CHANNEL_HOST": args.host, "PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port()),
-                       "PDSERVE_CPU_THREADS": os.environ.get("PDSERVE_CPU_THREADS", threads)}
+                env = {
+                    "PDSERVE_SIDE_CHANNEL_HOST": args.host,
+                    "PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port()),
+                    "PDSERVE_CPU_THREADS": os.environ.get("PDSERVE_CPU_THREADS", threads),
+                }
                 instances[role].append(launcher.spawn(f"{role}-{i}", serve, get_open_port(), env))
         launcher.wait_healthy(instances["prefill"] + instances["decode"], args.startup_timeout)
         address = lambda c: c.url.removeprefix("http://")  # noqa: E731
-        proxy = launcher.spawn("proxy", ["proxy", "--prefill", *map(address, instances["prefill"]),
-                                         "--decode", *map(address, instances["decode"])], args.port)
+        proxy = launcher.spawn(
+            "proxy",
+            [
+                "proxy",
+                "--prefill",
+                *map(address, instances["prefill"]),
+                "--decode",
+                *map(address, instances["decode"]),
+            ],
+            args.port,
+        )
         launcher.wait_healthy([proxy], 60)
-        print(f"pdserve launch: serving {proxy.url}/v1 ({args.prefill} prefill, {args.decode} decode "
-              "instances); Ctrl-C stops everything.", flush=True)
+        print(
+            f"pdserve launch: serving {proxy.url}/v1 ({args.prefill} prefill, {args.decode} decode "
+            "instances); Ctrl-C stops everything.",
+            flush=True,
+        )
         while (dead := launcher.first_exited()) is None:
             time.sleep(0.5)
-        logger.error("%s exited with code %s; stopping the deployment.", dead.name, dead.proc.returncode)
-        print(f"pdserve launch: {dead.name} exited (code {dead.proc.returncode}); stopping.", file=sys.stderr)
+        logger.error(
+            "%s exited with code %s; stopping the deployment.", dead.name, dead.proc.returncode
+        )
+        print(
+            f"pdserve launch: {dead.name} exited (code {dead.proc.returncode}); stopping.",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         return 0

@@ -46,8 +46,13 @@ class Instance:
         except httpx.HTTPError as e:
             ok, why = False, f"{type(e).__name__}: {e}"
         if ok != self.healthy:
-            logger.warning("%s instance %s is %s%s", self.role, self.url, "back" if ok else "down",
-                           "" if ok else f" ({why})")
+            logger.warning(
+                "%s instance %s is %s%s",
+                self.role,
+                self.url,
+                "back" if ok else "down",
+                "" if ok else f" ({why})",
+            )
         self.healthy, self.last_error = ok, None if ok else why
 
 
@@ -58,7 +63,11 @@ class InstancePool:
         timeout = httpx.Timeout(timeout_s, connect=5.0)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self.instances = [
-            Instance(role, f"http://{a}", httpx.AsyncClient(base_url=f"http://{a}", timeout=timeout, limits=limits))
+            Instance(
+                role,
+                f"http://{a}",
+                httpx.AsyncClient(base_url=f"http://{a}", timeout=timeout, limits=limits),
+            )
             for a in addresses
         ]
         self.role = role
@@ -71,8 +80,11 @@ class InstancePool:
             instance = self.instances[(start + i) % n]
             if instance.healthy:
                 return instance
-        raise OpenAIError(503, f"No healthy {self.role} instance: "
-                          + "; ".join(f"{i.url}: {i.last_error}" for i in self.instances))
+        raise OpenAIError(
+            503,
+            f"No healthy {self.role} instance: "
+            + "; ".join(f"{i.url}: {i.last_error}" for i in self.instances),
+        )
 
     def status(self) -> list[dict[str, Any]]:
         return [{"url": i.url, "healthy": i.healthy, "error": i.last_error} for i in self.instances]
@@ -85,7 +97,9 @@ class InstancePool:
 def _upstream_error(instance: Instance, e: Exception) -> OpenAIError:
     """A peer that cannot be reached is marked down until its health check passes again."""
     instance.healthy, instance.last_error = False, f"{type(e).__name__}: {e}"
-    return OpenAIError(503, f"The {instance.role} instance {instance.url} failed: {instance.last_error}")
+    return OpenAIError(
+        503, f"The {instance.role} instance {instance.url} failed: {instance.last_error}"
+    )
 
 
 def _forwarded_error(instance: Instance, resp: httpx.Response) -> OpenAIError:
@@ -99,8 +113,10 @@ def _forwarded_error(instance: Instance, resp: httpx.Response) -> OpenAIError:
 
 
 def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> FastAPI:
-    pools = {"prefill": InstancePool("prefill", prefill, timeout_s),
-             "decode": InstancePool("decode", decode, timeout_s)}
+    pools = {
+        "prefill": InstancePool("prefill", prefill, timeout_s),
+        "decode": InstancePool("decode", decode, timeout_s),
+    }
 
     async def health_loop() -> None:
         while True:
@@ -133,7 +149,12 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 60
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
 
-        hop = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        hop = {
+            **body,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
         if "max_completion_tokens" in hop:
             hop["max_completion_tokens"] = 1
         for key in ("stream_options", "min_tokens"):
@@ -149,13 +170,17 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 60
         if params:
             body = {**body, "kv_transfer_params": params}
         # Tells the client (the demo) how much KV the prefill instance handed over.
-        out_headers = {"X-Request-Id": request_id,
-                       "X-PD-Prefill-Instance": prefill_instance.url,
-                       "X-PD-KV-Blocks": str(len((params or {}).get("remote_block_ids") or []))}
+        out_headers = {
+            "X-Request-Id": request_id,
+            "X-PD-Prefill-Instance": prefill_instance.url,
+            "X-PD-KV-Blocks": str(len((params or {}).get("remote_block_ids") or [])),
+        }
 
         decode_instance = pools["decode"].pick()
         out_headers["X-PD-Decode-Instance"] = decode_instance.url
-        upstream = decode_instance.client.build_request("POST", f"/v1/{endpoint}", json=body, headers=headers)
+        upstream = decode_instance.client.build_request(
+            "POST", f"/v1/{endpoint}", json=body, headers=headers
+        )
         try:
             answer = await decode_instance.client.send(upstream, stream=True)
         except httpx.HTTPError as e:
@@ -203,7 +228,9 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 60
     async def health() -> JSONResponse:
         status = {role: pool.status() for role, pool in pools.items()}
         ok = all(any(i["healthy"] for i in s) for s in status.values())
-        return JSONResponse({"status": "ok" if ok else "degraded", **status}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "degraded", **status}, status_code=200 if ok else 503
+        )
 
     return app
 
@@ -213,8 +240,12 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", nargs="+", action="extend", required=True, metavar="HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds an instance may take to answer one hop")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds an instance may take to answer one hop",
+    )
 
 
 def run_proxy(args: argparse.Namespace) -> int:
@@ -223,6 +254,9 @@ def run_proxy(args: argparse.Namespace) -> int:
         if not host or not port.isdigit():
             raise ValueError(f"instance address {address!r} is not HOST:PORT")
     app = build_proxy_app(args.prefill, args.decode, args.timeout)
-    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                  timeout_graceful_shutdown=5)).run()
+    uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+        )
+    ).run()
     return 0

@@ -20,7 +20,9 @@ def worker_class(config: EngineConfig) -> type[Worker]:
     module_name, _, class_name = config.parallel_config.worker_cls.partition(":")
     cls = getattr(importlib.import_module(module_name), class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Worker)):
-        raise ValueError(f"worker_cls {config.parallel_config.worker_cls!r} is not a Worker subclass.")
+        raise ValueError(
+            f"worker_cls {config.parallel_config.worker_cls!r} is not a Worker subclass."
+        )
     return cls
 
 
@@ -32,7 +34,8 @@ class Executor(ABC):
         # With a KV connector every rank's transfer report counts, not just the output rank's.
         self.kv_output_aggregator = (
             KVOutputAggregator(config.parallel_config.world_size)
-            if config.kv_transfer_config is not None else None
+            if config.kv_transfer_config is not None
+            else None
         )
 
     @staticmethod
@@ -70,7 +73,9 @@ class Executor(ABC):
         aggregator = self.kv_output_aggregator
         if aggregator is None:
             return self.collective_rpc(
-                "execute_model", args=(scheduler_output,), non_block=non_block,
+                "execute_model",
+                args=(scheduler_output,),
+                non_block=non_block,
                 unique_reply_rank=self.output_rank,
             )
         result = self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block)

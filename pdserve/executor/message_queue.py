@@ -74,8 +74,13 @@ class MessageQueue:
             self.remote = _publisher(self.ctx)
             remote_addr = bind_socket(self.remote, f"tcp://{remote_host}:*")
         self.handle = MessageQueueHandle(
-            self.shm.name if self.shm else None, num_chunks, chunk_bytes, num_local_readers,
-            notify_addr, overflow_addr, remote_addr,
+            self.shm.name if self.shm else None,
+            num_chunks,
+            chunk_bytes,
+            num_local_readers,
+            notify_addr,
+            overflow_addr,
+            remote_addr,
         )
         self.index = 0
 
@@ -183,7 +188,11 @@ class MessageQueue:
             if self.is_writer:
                 time.sleep(0.0005)  # readers are behind: rare, and never while idle
                 continue
-            wait_ms = _POLL_MS if deadline is None else max(1, min(_POLL_MS, int((deadline - now) * 1000)))
+            wait_ms = (
+                _POLL_MS
+                if deadline is None
+                else max(1, min(_POLL_MS, int((deadline - now) * 1000)))
+            )
             if self.notify.poll(wait_ms):
                 while self.notify.poll(0):
                     self.notify.recv()

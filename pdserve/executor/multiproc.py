@@ -79,9 +79,18 @@ class MultiprocExecutor(Executor):
             ready_reader, ready_writer = ctx.Pipe(duplex=False)
             death_reader, death_writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=worker_main, name=f"pdserve-worker-{rank}", daemon=True,
-                args=(self.config, rank, rank, init_method, self.rpc_broadcast_mq.handle,
-                      ready_writer, death_reader),
+                target=worker_main,
+                name=f"pdserve-worker-{rank}",
+                daemon=True,
+                args=(
+                    self.config,
+                    rank,
+                    rank,
+                    init_method,
+                    self.rpc_broadcast_mq.handle,
+                    ready_writer,
+                    death_reader,
+                ),
             )
             proc.start()
             ready_writer.close()
@@ -89,7 +98,9 @@ class MultiprocExecutor(Executor):
             self.workers.append(WorkerHandle(rank, proc, death_writer))
             ready_readers.append(ready_reader)
         for worker, reader in zip(self.workers, ready_readers):
-            payload = wait_for_ready(worker.proc, reader, f"Worker rank {worker.rank}", _STARTUP_TIMEOUT_S)
+            payload = wait_for_ready(
+                worker.proc, reader, f"Worker rank {worker.rank}", _STARTUP_TIMEOUT_S
+            )
             handle = msgspec.msgpack.decode(payload, type=MessageQueueHandle)
             worker.response_mq = MessageQueue.attach(handle, reader_rank=0)
         self.rpc_broadcast_mq.wait_until_ready()
@@ -121,7 +132,9 @@ class MultiprocExecutor(Executor):
             try:
                 # Every rank's reply is read before any error is raised: a reply left in a
                 # queue would be taken as the answer to the next call.
-                replies = [(rank, decode_reply(self._dequeue(self.workers[rank]))) for rank in call.ranks]
+                replies = [
+                    (rank, decode_reply(self._dequeue(self.workers[rank]))) for rank in call.ranks
+                ]
                 results = decode_results(self.worker_cls, call.method, replies)
                 call.future.set_result(results[0] if call.single else results)
             except Exception as e:
@@ -144,8 +157,11 @@ class MultiprocExecutor(Executor):
         if self.shutting_down:
             return
         dead = sentinels[died[0]]
-        logger.error("Worker rank %d (pid %s) died unexpectedly, shutting down executor.",
-                     dead.rank, dead.proc.pid)
+        logger.error(
+            "Worker rank %d (pid %s) died unexpectedly, shutting down executor.",
+            dead.rank,
+            dead.proc.pid,
+        )
         self.is_failed = True
         self.shutdown()
         if self._failure_callback is not None:

@@ -112,7 +112,9 @@ class RayExecutor(Executor):
 
     def _create_placement_group(self) -> PlacementGroup:
         # PACK: as few nodes as possible, so that TP ranks share a node where they fit.
-        pg = ray.util.placement_group([{self._device_resource: 1.0}] * self.world_size, strategy="PACK")
+        pg = ray.util.placement_group(
+            [{self._device_resource: 1.0}] * self.world_size, strategy="PACK"
+        )
         if not pg.wait(timeout_seconds=int(_STARTUP_TIMEOUT_S)):
             ray.util.remove_placement_group(pg)
             raise RuntimeError(
@@ -136,16 +138,22 @@ class RayExecutor(Executor):
         gpu = self._device_resource == "GPU"
         env = {k: v for k, v in os.environ.items() if k.startswith(_CARRIED_ENV_PREFIXES)}
         for index in self._bundle_indices():
-            self._actors.append(RayWorker.options(
-                num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=index),
-                # Stated, not defaulted: every rank must run the calls in the order they were sent.
-                allow_out_of_order_execution=False,
-                runtime_env={"env_vars": env},
-            ).remote())
+            self._actors.append(
+                RayWorker.options(
+                    num_cpus=0 if gpu else 1,
+                    num_gpus=1 if gpu else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.placement_group, placement_group_bundle_index=index
+                    ),
+                    # Stated, not defaulted: every rank must run the calls in the order they were sent.
+                    allow_out_of_order_execution=False,
+                    runtime_env={"env_vars": env},
+                ).remote()
+            )
         self._death_refs = [actor.wait_for_death.remote() for actor in self._actors]
-        infos = self._wait_all([a.node_info.remote() for a in self._actors], "actor", "report its node")
+        infos = self._wait_all(
+            [a.node_info.remote() for a in self._actors], "actor", "report its node"
+        )
         # Ranks: the driver's node first (rank 0 there hosts the TCP store), then node by node.
         driver_node = ray.get_runtime_context().get_node_id()
         order = sorted(range(len(infos)), key=lambda i: (infos[i][0] != driver_node, infos[i][1]))
@@ -157,7 +165,8 @@ class RayExecutor(Executor):
         init_method = f"tcp://{ip}:{port}"
         self._wait_all(
             [w.actor.setup.remote(self.config, w.rank, init_method) for w in self.workers],
-            "rank", "start",
+            "rank",
+            "start",
         )
 
     @staticmethod
@@ -173,8 +182,10 @@ class RayExecutor(Executor):
         while pending:
             done, _ = ray.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not done:
-                raise RuntimeError(f"Worker {index_name}s {sorted(pending.values())} did not "
-                                   f"{step} within {_STARTUP_TIMEOUT_S:.0f} s.")
+                raise RuntimeError(
+                    f"Worker {index_name}s {sorted(pending.values())} did not "
+                    f"{step} within {_STARTUP_TIMEOUT_S:.0f} s."
+                )
             i = pending.pop(done[0])
             try:
                 results[i] = ray.get(done[0])
@@ -184,7 +195,9 @@ class RayExecutor(Executor):
                     f"Worker {index_name} {i} failed to {step}: {type(cause).__name__}: {cause}"
                 ) from None
             except RayActorError as e:
-                raise RuntimeError(f"Worker {index_name} {i} died before it could {step}: {e}") from None
+                raise RuntimeError(
+                    f"Worker {index_name} {i} died before it could {step}: {e}"
+                ) from None
         return results
 
     # ---- RPC -----------------------------------------------------------------------------------
@@ -208,15 +221,19 @@ class RayExecutor(Executor):
                 raise RuntimeError("Executor failed.")
             refs = [w.actor.call.remote(payload) for w in self.workers]
             self._pending.put(
-                _PendingCall(future, method, [(r, refs[r]) for r in ranks], unique_reply_rank is not None)
+                _PendingCall(
+                    future, method, [(r, refs[r]) for r in ranks], unique_reply_rank is not None
+                )
             )
         return self._await(future, method, timeout, non_block)
 
     def _resolve_responses(self) -> None:
         while (call := self._pending.get()) is not None:
             try:
-                replies = [(rank, decode_reply(self._get(rank, ref, call.method)))
-                           for rank, ref in call.refs]
+                replies = [
+                    (rank, decode_reply(self._get(rank, ref, call.method)))
+                    for rank, ref in call.refs
+                ]
                 results = decode_results(Worker, call.method, replies)
                 call.future.set_result(results[0] if call.single else results)
             except Exception as e:
@@ -239,8 +256,11 @@ class RayExecutor(Executor):
         if self.shutting_down:
             return
         dead = self.workers[refs.index(done[0])]
-        logger.error("Worker rank %d (Ray actor on node %s) died unexpectedly, shutting down executor.",
-                     dead.rank, dead.node_id)
+        logger.error(
+            "Worker rank %d (Ray actor on node %s) died unexpectedly, shutting down executor.",
+            dead.rank,
+            dead.node_id,
+        )
         self.is_failed = True
         self.shutdown()
         if self._failure_callback is not None:
@@ -255,11 +275,15 @@ class RayExecutor(Executor):
             ray.kill(actor)
         if self._death_refs:
             # Wait for the kills to land, so that the devices are free when this returns.
-            _, alive = ray.wait(self._death_refs, num_returns=len(self._death_refs),
-                                timeout=_SHUTDOWN_WAIT_S)
+            _, alive = ray.wait(
+                self._death_refs, num_returns=len(self._death_refs), timeout=_SHUTDOWN_WAIT_S
+            )
             if alive:
-                logger.warning("%d Ray workers were still alive %.0f s after being killed.",
-                               len(alive), _SHUTDOWN_WAIT_S)
+                logger.warning(
+                    "%d Ray workers were still alive %.0f s after being killed.",
+                    len(alive),
+                    _SHUTDOWN_WAIT_S,
+                )
         if self._owns_placement_group and self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
         self.placement_group = None

@@ -37,8 +37,9 @@ class RayWorker:
         logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"))
         self.rank = rank
         # On a GPU, Ray makes only this actor's device visible, so it is always cuda:0.
-        self.worker = Worker(config, rank=rank, local_rank=0,
-                             distributed_init_method=distributed_init_method)
+        self.worker = Worker(
+            config, rank=rank, local_rank=0, distributed_init_method=distributed_init_method
+        )
         self.worker.init_distributed()
         self.worker.load_model()
 

@@ -32,9 +32,16 @@ _call_decoder = msgspec.msgpack.Decoder(RPCCall)
 _reply_decoder = msgspec.msgpack.Decoder(RPCReply)
 
 
-def encode_call(method: str, args: tuple[Any, ...], kwargs: dict[str, Any], output_rank: int | None) -> bytes:
+def encode_call(
+    method: str, args: tuple[Any, ...], kwargs: dict[str, Any], output_rank: int | None
+) -> bytes:
     return _encoder.encode(
-        RPCCall(method, msgspec.Raw(_encoder.encode(args)), msgspec.Raw(_encoder.encode(kwargs)), output_rank)
+        RPCCall(
+            method,
+            msgspec.Raw(_encoder.encode(args)),
+            msgspec.Raw(_encoder.encode(kwargs)),
+            output_rank,
+        )
     )
 
 
@@ -68,7 +75,9 @@ def _args_decoder(cls: type, method: str, num_args: int) -> msgspec.msgpack.Deco
     params, _ = _method_types(cls, method)
     if num_args > len(params):
         raise ValueError(f"{method}() takes {len(params)} arguments, got {num_args}.")
-    return msgspec.msgpack.Decoder(tuple[tuple(t for _, t in params[:num_args])] if num_args else tuple)
+    return msgspec.msgpack.Decoder(
+        tuple[tuple(t for _, t in params[:num_args])] if num_args else tuple
+    )
 
 
 @lru_cache(maxsize=None)

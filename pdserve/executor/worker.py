@@ -58,8 +58,10 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dist.init_process_group(
-            backend, init_method=self.distributed_init_method,
-            world_size=par.world_size, rank=self.rank,
+            backend,
+            init_method=self.distributed_init_method,
+            world_size=par.world_size,
+            rank=self.rank,
         )
         tp = par.tensor_parallel_size
         # Every rank creates every group, in the same order, as torch.distributed requires.
@@ -98,7 +100,9 @@ class Worker:
         if self.config.kv_transfer_config is not None:
             assert self.model_runner.kv_cache is not None
             tp_rank = self.rank % self.config.parallel_config.tensor_parallel_size
-            self.kv_connector = KVConnectorFactory.create(self.config, KVConnectorRole.WORKER, tp_rank)
+            self.kv_connector = KVConnectorFactory.create(
+                self.config, KVConnectorRole.WORKER, tp_rank
+            )
             self.kv_connector.register_kv_caches(self.model_runner.kv_cache)
 
     def get_kv_connector_handshake_metadata(self) -> bytes | None:
@@ -115,9 +119,13 @@ class Worker:
         connector.start_load_kv()
         output = self.model_runner.execute_model(scheduler_output)
         connector.wait_for_save()
-        finished_sending, finished_recving = connector.get_finished(scheduler_output.finished_req_ids)
+        finished_sending, finished_recving = connector.get_finished(
+            scheduler_output.finished_req_ids
+        )
         kv_output = KVConnectorOutput(
-            finished_sending, finished_recving, connector.get_block_ids_with_load_errors(),
+            finished_sending,
+            finished_recving,
+            connector.get_block_ids_with_load_errors(),
             connector.get_worker_stats() or None,
         )
         # A step with nothing scheduled returns the shared empty output: never mutate it.

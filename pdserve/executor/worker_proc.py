@@ -18,6 +18,7 @@ from pdserve.utils import FAILED, READY, exit_with_parent
 
 logger = logging.getLogger(__name__)
 
+
 def worker_main(
     config: EngineConfig,
     rank: int,
@@ -32,8 +33,12 @@ def worker_main(
     logging.basicConfig(level=envs.log_level())
     broadcast = response = None
     try:
-        worker = worker_class(config)(config, rank=rank, local_rank=local_rank,
-                        distributed_init_method=distributed_init_method)
+        worker = worker_class(config)(
+            config,
+            rank=rank,
+            local_rank=local_rank,
+            distributed_init_method=distributed_init_method,
+        )
         worker.init_distributed()
         worker.load_model()
         broadcast = MessageQueue.attach(broadcast_handle, local_rank)

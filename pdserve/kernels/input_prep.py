@@ -165,6 +165,11 @@ def prepare_inputs(
     """
     fn = prepare_inputs_triton if backend.use_triton(idx_mapping.device) else prepare_inputs_torch
     return fn(
-        idx_mapping, query_start_loc, num_tokens, all_token_ids, num_computed_tokens,
-        block_table, block_size,
+        idx_mapping,
+        query_start_loc,
+        num_tokens,
+        all_token_ids,
+        num_computed_tokens,
+        block_table,
+        block_size,
     )

@@ -82,7 +82,16 @@ if backend.HAS_TRITON:
             q_src, q_dst, stride_qh, num_heads, cos, sin, offs_d, rolled, mask_d, head_dim, BLOCK_HQ
         )
         _rotate_heads(
-            k_src, k_dst, stride_kh, num_kv_heads, cos, sin, offs_d, rolled, mask_d, head_dim,
+            k_src,
+            k_dst,
+            stride_kh,
+            num_kv_heads,
+            cos,
+            sin,
+            offs_d,
+            rolled,
+            mask_d,
+            head_dim,
             BLOCK_HK,
         )
 

@@ -134,7 +134,9 @@ def apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> None:
     if not rows:
         return
     rep, freq, pres = (
-        inputs.repetition_penalties, inputs.frequency_penalties, inputs.presence_penalties
+        inputs.repetition_penalties,
+        inputs.frequency_penalties,
+        inputs.presence_penalties,
     )
     vocab_size = logits.shape[1]
     row_ids = torch.tensor(rows, dtype=torch.int64, device=logits.device)

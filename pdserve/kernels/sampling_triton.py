@@ -57,10 +57,21 @@ def _unkey(key):
 
 @triton.jit
 def _penalties_temperature_kernel(
-    out_ptr, logits_ptr, logits_stride, temperature_ptr, counts_ptr, count_row_ptr,
-    repetition_ptr, frequency_ptr, presence_ptr, num_rows, vocab_size,
-    HAS_PENALTIES: tl.constexpr, APPLY_TEMPERATURE: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    out_ptr,
+    logits_ptr,
+    logits_stride,
+    temperature_ptr,
+    counts_ptr,
+    count_row_ptr,
+    repetition_ptr,
+    frequency_ptr,
+    presence_ptr,
+    num_rows,
+    vocab_size,
+    HAS_PENALTIES: tl.constexpr,
+    APPLY_TEMPERATURE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < num_rows
@@ -78,12 +89,14 @@ def _penalties_temperature_kernel(
         m = row_ok[:, None] & (start + cols < vocab_size)[None, :]
         x = tl.load(
             logits_ptr + rows[:, None].to(tl.int64) * logits_stride + start + cols[None, :],
-            mask=m, other=0.0,
+            mask=m,
+            other=0.0,
         ).to(tl.float32)
         if HAS_PENALTIES:
             c = tl.load(
                 counts_ptr + count_row[:, None].to(tl.int64) * vocab_size + start + cols[None, :],
-                mask=m & penalized[:, None], other=0,
+                mask=m & penalized[:, None],
+                other=0,
             )
             n = (c & _COUNT_MASK).to(tl.float32)  # output count
             x = tl.where(c != 0, tl.where(x > 0, x / rep, x * rep), x)
@@ -125,9 +138,17 @@ def _mass_at_least(
 
 @triton.jit
 def _truncate_kernel(
-    logits_ptr, top_k_ptr, top_p_ptr, min_p_ptr, num_rows, vocab_size,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    num_rows,
+    vocab_size,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < num_rows
@@ -183,8 +204,17 @@ def _truncate_kernel(
 
 @triton.jit
 def _gumbel_sample_kernel(
-    out_ptr, logits_ptr, logits_stride, temperature_ptr, seed_ptr, offset_ptr, num_rows,
-    vocab_size, ALL_GREEDY: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    out_ptr,
+    logits_ptr,
+    logits_stride,
+    temperature_ptr,
+    seed_ptr,
+    offset_ptr,
+    num_rows,
+    vocab_size,
+    ALL_GREEDY: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < num_rows
@@ -203,7 +233,8 @@ def _gumbel_sample_kernel(
         m = row_ok[:, None] & (start + cols < vocab_size)[None, :]
         x = tl.load(
             logits_ptr + rows[:, None].to(tl.int64) * logits_stride + start + cols[None, :],
-            mask=m, other=float("-inf"),
+            mask=m,
+            other=float("-inf"),
         ).to(tl.float32)
         if not ALL_GREEDY:
             bits = tl.randint(row_seed, tl.broadcast_to(start + cols[None, :], (BLOCK_B, BLOCK_V)))
@@ -221,8 +252,17 @@ def _gumbel_sample_kernel(
 
 @triton.jit
 def _logprobs_kernel(
-    values_ptr, ranks_ptr, logits_ptr, logits_stride, ids_ptr, num_rows, vocab_size, num_ids,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    values_ptr,
+    ranks_ptr,
+    logits_ptr,
+    logits_stride,
+    ids_ptr,
+    num_rows,
+    vocab_size,
+    num_ids,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < num_rows
@@ -275,19 +315,37 @@ def process_logits_triton(logits: torch.Tensor, inputs: SamplingInputs) -> torch
     if rows:
         counts, count_row = _seen_counts(inputs, rows, num_rows, vocab_size, device)
         penalties = (
-            inputs.repetition_penalties, inputs.frequency_penalties, inputs.presence_penalties
+            inputs.repetition_penalties,
+            inputs.frequency_penalties,
+            inputs.presence_penalties,
         )
     _penalties_temperature_kernel[grid](
-        out, logits, logits.stride(0), inputs.temperature, counts, count_row, *penalties,
-        num_rows, vocab_size, HAS_PENALTIES=bool(rows), APPLY_TEMPERATURE=not inputs.all_greedy,
-        BLOCK_B=block_b, BLOCK_V=block_v,
+        out,
+        logits,
+        logits.stride(0),
+        inputs.temperature,
+        counts,
+        count_row,
+        *penalties,
+        num_rows,
+        vocab_size,
+        HAS_PENALTIES=bool(rows),
+        APPLY_TEMPERATURE=not inputs.all_greedy,
+        BLOCK_B=block_b,
+        BLOCK_V=block_v,
     )
     knobs = (inputs.top_k, inputs.top_p, inputs.min_p)
     if not inputs.all_greedy and any(t is not None for t in knobs):
         _truncate_kernel[grid](
-            out, *(out if t is None else t for t in knobs), num_rows, vocab_size,
-            HAS_TOP_K=inputs.top_k is not None, HAS_TOP_P=inputs.top_p is not None,
-            HAS_MIN_P=inputs.min_p is not None, BLOCK_B=block_b, BLOCK_V=block_v,
+            out,
+            *(out if t is None else t for t in knobs),
+            num_rows,
+            vocab_size,
+            HAS_TOP_K=inputs.top_k is not None,
+            HAS_TOP_P=inputs.top_p is not None,
+            HAS_MIN_P=inputs.min_p is not None,
+            BLOCK_B=block_b,
+            BLOCK_V=block_v,
         )
     return out
 
@@ -333,8 +391,17 @@ def sample_tokens_triton(logits: torch.Tensor, inputs: SamplingInputs) -> torch.
     if not inputs.all_greedy:
         seeds, offsets = _row_seeds(inputs, logits.device)
     _gumbel_sample_kernel[grid](
-        out, processed, processed.stride(0), inputs.temperature, seeds, offsets, num_rows,
-        vocab_size, ALL_GREEDY=inputs.all_greedy, BLOCK_B=block_b, BLOCK_V=block_v,
+        out,
+        processed,
+        processed.stride(0),
+        inputs.temperature,
+        seeds,
+        offsets,
+        num_rows,
+        vocab_size,
+        ALL_GREEDY=inputs.all_greedy,
+        BLOCK_B=block_b,
+        BLOCK_V=block_v,
     )
     return out
 
@@ -353,7 +420,16 @@ def topk_logprobs_triton(
     ranks = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     block_b, block_v, grid = _tiles(num_rows, vocab_size)
     _logprobs_kernel[grid](
-        values, ranks, logits, logits.stride(0), ids, num_rows, vocab_size, ids.shape[1],
-        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(ids.shape[1]),
+        values,
+        ranks,
+        logits,
+        logits.stride(0),
+        ids,
+        num_rows,
+        vocab_size,
+        ids.shape[1],
+        BLOCK_B=block_b,
+        BLOCK_V=block_v,
+        BLOCK_K=triton.next_power_of_2(ids.shape[1]),
     )
     return ids, values, ranks

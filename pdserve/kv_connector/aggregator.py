@@ -34,5 +34,7 @@ class KVOutputAggregator:
             for name, value in (kv.stats or {}).items():
                 stats[name] = stats.get(name, 0.0) + value
         result = outputs[output_rank]
-        result.kv_connector_output = KVConnectorOutput(sending or None, recving or None, invalid, stats or None)
+        result.kv_connector_output = KVConnectorOutput(
+            sending or None, recving or None, invalid, stats or None
+        )
         return result

@@ -39,7 +39,9 @@ class KVConnectorBase(abc.ABC):
     # ---- scheduler role ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens a peer can provide beyond the local prefix hit, and whether they load
         asynchronously (between steps). None: undecided, ask again next step. No side effects."""
 
@@ -54,7 +56,9 @@ class KVConnectorBase(abc.ABC):
         """This step's orders for the workers; resets the per-step state."""
 
     @abc.abstractmethod
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Called once when a request finishes: (free its blocks later?, kv_transfer_params)."""
 
     def release_remote(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:

@@ -21,7 +21,9 @@ class KVConnectorFactory:
         return tuple(cls._registry)
 
     @classmethod
-    def create(cls, config: "EngineConfig", role: KVConnectorRole, tp_rank: int = 0) -> KVConnectorBase:
+    def create(
+        cls, config: "EngineConfig", role: KVConnectorRole, tp_rank: int = 0
+    ) -> KVConnectorBase:
         assert config.kv_transfer_config is not None
         module_name, class_name = cls._registry[config.kv_transfer_config.kv_connector].split(":")
         connector_cls = getattr(importlib.import_module(module_name), class_name)

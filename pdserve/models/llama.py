@@ -22,12 +22,17 @@ from pdserve.models.layers.activation import SiluAndMul, check_gated_act
 from pdserve.models.layers.attention import Attention
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import (
-    MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
 )
 from pdserve.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.utils import (
-    PPMissingLayer, empty_intermediate_tensors, load_checkpoint_weights, make_layers,
+    PPMissingLayer,
+    empty_intermediate_tensors,
+    load_checkpoint_weights,
+    make_layers,
     warn_sliding_window,
 )
 

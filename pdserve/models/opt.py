@@ -26,7 +26,10 @@ from pdserve.models.layers.linear import (
 )
 from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.utils import (
-    PPMissingLayer, empty_intermediate_tensors, load_checkpoint_weights, make_layers,
+    PPMissingLayer,
+    empty_intermediate_tensors,
+    load_checkpoint_weights,
+    make_layers,
 )
 
 # OPT's checkpoints index positions from 2 (rows 0 and 1 were reserved by fairseq).

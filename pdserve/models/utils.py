@@ -19,7 +19,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pdserve.distributed.parallel_state import (
-    IntermediateTensors, get_pp_indices, get_pp_rank, get_pp_world_size,
+    IntermediateTensors,
+    get_pp_indices,
+    get_pp_rank,
+    get_pp_world_size,
 )
 
 logger = logging.getLogger(__name__)

@@ -85,7 +85,9 @@ class ModelRunnerBase:
         self.kv_caches = [self.kv_cache[:, i] for i in range(shape[1])]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
-            num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+            num_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
 
     @torch.inference_mode()
@@ -134,7 +136,8 @@ class ModelRunnerBase:
             [self.eos_token_ids] * len(rows),
             self.device,
             logits_processors=[r.logits_processors for r in rows]
-            if any(r.logits_processors for r in rows) else None,
+            if any(r.logits_processors for r in rows)
+            else None,
         )
         out = self.sampler(logits, md)
         logprobs = out.logprobs

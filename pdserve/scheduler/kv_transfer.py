@@ -139,7 +139,9 @@ class SchedulerKVTransferMixin:
                 continue
             logger.warning(
                 "KV load of request %s failed from block %d of %d; %s.",
-                request.request_id, first_bad, len(block_ids),
+                request.request_id,
+                first_bad,
+                len(block_ids),
                 "recomputing the rest" if recompute else "the request fails",
             )
             if recompute:

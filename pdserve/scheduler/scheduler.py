@@ -114,8 +114,10 @@ class Scheduler(
             request = running[req_index]
             num_computed = request.num_computed_tokens
             num_placeholders = request.num_output_placeholders
-            if num_placeholders and request.max_tokens is not None and (
-                request.num_output_tokens + num_placeholders >= request.max_tokens
+            if (
+                num_placeholders
+                and request.max_tokens is not None
+                and (request.num_output_tokens + num_placeholders >= request.max_tokens)
             ):
                 # Async: the steps in flight already sample the last token max_tokens allows.
                 req_index += 1

@@ -19,8 +19,13 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def test_idle_tp2_engine_uses_under_2_percent_of_a_core(tiny_model):
-    with LLM(model=tiny_model("llama"), dtype="float32", max_model_len=128,
-             tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
+    with LLM(
+        model=tiny_model("llama"),
+        dtype="float32",
+        max_model_len=128,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    ) as llm:
         llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
         pids = [os.getpid()] + [w.proc.pid for w in llm.engine_core.executor.workers]
         time.sleep(1.0)  # past the short spin that follows work
@@ -33,7 +38,9 @@ def test_idle_tp2_engine_uses_under_2_percent_of_a_core(tiny_model):
             shares.append((cpu_seconds(pids) - before) / 5.0)
             if shares[-1] < 0.02:
                 break
-        assert min(shares) < 0.02, f"idle engine used {', '.join(f'{s:.1%}' for s in shares)} of a core"
+        assert min(shares) < 0.02, (
+            f"idle engine used {', '.join(f'{s:.1%}' for s in shares)} of a core"
+        )
         # And it still serves after idling.
         out = llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4

@@ -17,8 +17,12 @@ from tests.utils.procs import pid_alive, wait_until_gone
 
 def make_executor(path: str, tp: int) -> MultiprocExecutor:
     config = EngineConfig.from_engine_args(
-        model=path, dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
-        tensor_parallel_size=tp, distributed_executor_backend="mp",
+        model=path,
+        dtype="float32",
+        max_model_len=128,
+        num_gpu_blocks_override=64,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp",
     )
     return MultiprocExecutor(config)
 
@@ -98,11 +102,16 @@ def test_startup_failure_names_the_rank(tiny_model, tmp_path):
 
     path = shutil.copytree(tiny_model("llama"), tmp_path / "model")
     config = EngineConfig.from_engine_args(
-        model=str(path), dtype="float32", max_model_len=128, tensor_parallel_size=2,
+        model=str(path),
+        dtype="float32",
+        max_model_len=128,
+        tensor_parallel_size=2,
         distributed_executor_backend="mp",
     )
     (path / "model.safetensors").unlink()  # the workers load weights after the parent's checks
-    with pytest.raises(RuntimeError, match=r"Worker rank 0 failed to start: ValueError.*safetensors"):
+    with pytest.raises(
+        RuntimeError, match=r"Worker rank 0 failed to start: ValueError.*safetensors"
+    ):
         MultiprocExecutor(config)
 
 
@@ -121,7 +130,8 @@ time.sleep(600)
 def test_parent_sigkill_leaves_no_worker(tiny_model):
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT_SCRIPT, tiny_model("llama")],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]

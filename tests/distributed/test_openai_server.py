@@ -23,8 +23,17 @@ PROMPTS = ["hello there", "the quick brown fox", "a b c d e f g", "1 2 3 4 5 6 7
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Callable[[str], str]) -> Iterator[RemoteServer]:
-    with RemoteServer(["serve", "--model", tiny_model("llama"), "--dtype", "float32",
-                       "--max-model-len", str(MAX_MODEL_LEN)]) as s:
+    with RemoteServer(
+        [
+            "serve",
+            "--model",
+            tiny_model("llama"),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+        ]
+    ) as s:
         yield s
         assert s.stop() == [], "processes left behind"
 
@@ -34,10 +43,13 @@ def model(server: RemoteServer) -> str:
     return server.client().models.list().data[0].id
 
 
-def test_completions_match_hf(server: RemoteServer, model: str, tiny_model: Callable[[str], str]) -> None:
+def test_completions_match_hf(
+    server: RemoteServer, model: str, tiny_model: Callable[[str], str]
+) -> None:
     client = server.client()
-    resp = client.completions.create(model=model, prompt=PROMPTS, max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model, prompt=PROMPTS, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     token_ids = [c.model_extra["token_ids"] for c in resp.choices]
     tok = _tokenizer(tiny_model("llama"))
@@ -47,8 +59,13 @@ def test_completions_match_hf(server: RemoteServer, model: str, tiny_model: Call
     assert resp.usage.completion_tokens == 4 * 12
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 48
     # A prompt of token ids gives the same answer as its text.
-    by_ids = client.completions.create(model=model, prompt=prompts_ids[1], max_tokens=12, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    by_ids = client.completions.create(
+        model=model,
+        prompt=prompts_ids[1],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert by_ids.choices[0].text == resp.choices[1].text
 
 
@@ -62,24 +79,45 @@ def test_streaming_joins_to_non_streaming(server: RemoteServer, model: str) -> N
     client = server.client()
     for prompt in PROMPTS:
         full = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
-        chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         assert text == full.choices[0].text
-        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+        assert (
+            chunks[-1].choices == []
+            and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+        )
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[
+            0
+        ].finish_reason
 
 
 def test_chat_streaming_and_not(server: RemoteServer, model: str) -> None:
     client = server.client()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-    full = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=10,
-                                          temperature=0)
+    full = client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=10, temperature=0
+    )
     assert full.choices[0].message.role == "assistant"
     assert full.usage.completion_tokens == len(full.choices[0].model_extra["token_ids"])
-    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=10,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -88,8 +126,9 @@ def test_chat_streaming_and_not(server: RemoteServer, model: str) -> None:
 
 def test_n_logprobs_and_seed(server: RemoteServer, model: str) -> None:
     client = server.client()
-    resp = client.completions.create(model=model, prompt="hello", max_tokens=8, n=3, temperature=1.0,
-                                     seed=7, logprobs=2)
+    resp = client.completions.create(
+        model=model, prompt="hello", max_tokens=8, n=3, temperature=1.0, seed=7, logprobs=2
+    )
     assert sorted(c.index for c in resp.choices) == [0, 1, 2]
     assert len({c.text for c in resp.choices}) > 1, "three samples should not all agree"
     for c in resp.choices:
@@ -97,11 +136,18 @@ def test_n_logprobs_and_seed(server: RemoteServer, model: str) -> None:
         assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
         # Keyed by text: two tokens that decode alike share a key.
         assert all(1 <= len(top) <= 3 for top in c.logprobs.top_logprobs)
-    again = client.completions.create(model=model, prompt="hello", max_tokens=8, n=3, temperature=1.0,
-                                      seed=7, logprobs=2)
+    again = client.completions.create(
+        model=model, prompt="hello", max_tokens=8, n=3, temperature=1.0, seed=7, logprobs=2
+    )
     assert [c.text for c in again.choices] == [c.text for c in resp.choices]
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
     # Greedy: the sampled token is the most likely one.
@@ -110,12 +156,27 @@ def test_n_logprobs_and_seed(server: RemoteServer, model: str) -> None:
 
 def test_stop_strings(server: RemoteServer, model: str) -> None:
     client = server.client()
-    base = client.completions.create(model=model, prompt="the quick", max_tokens=20, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = base[len(base) // 2: len(base) // 2 + 2]
+    base = (
+        client.completions.create(
+            model=model,
+            prompt="the quick",
+            max_tokens=20,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
     assert stop.strip(), f"need a visible stop string in {base!r}"
-    resp = client.completions.create(model=model, prompt="the quick", max_tokens=20, temperature=0,
-                                     stop=[stop], extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model,
+        prompt="the quick",
+        max_tokens=20,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     choice = resp.choices[0]
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
     assert choice.text == base[: base.index(stop)]
@@ -124,17 +185,29 @@ def test_stop_strings(server: RemoteServer, model: str) -> None:
 def test_64_concurrent_requests(server: RemoteServer, model: str) -> None:
     async def run() -> list[openai.types.Completion]:
         client = server.async_client()
-        return await asyncio.gather(*[
-            client.completions.create(model=model, prompt=f"request number {i}", max_tokens=10,
-                                      temperature=0, extra_body={"ignore_eos": True})
-            for i in range(64)
-        ])
+        return await asyncio.gather(
+            *[
+                client.completions.create(
+                    model=model,
+                    prompt=f"request number {i}",
+                    max_tokens=10,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(64)
+            ]
+        )
 
     results = asyncio.run(run())
     assert all(r.usage.completion_tokens == 10 for r in results)
     # Same prompt, same greedy answer, whatever else ran beside it.
-    alone = server.client().completions.create(model=model, prompt="request number 5", max_tokens=10,
-                                               temperature=0, extra_body={"ignore_eos": True})
+    alone = server.client().completions.create(
+        model=model,
+        prompt="request number 5",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert results[5].choices[0].text == alone.choices[0].text
     server.wait_pool_full()
     assert server.metric("request_success_total") > 0
@@ -143,8 +216,14 @@ def test_64_concurrent_requests(server: RemoteServer, model: str) -> None:
 def test_client_disconnect_mid_stream_aborts(server: RemoteServer, model: str) -> None:
     server.wait_pool_full()
     aborted = server.metric("request_success_total", finished_reason="abort")
-    body = {"model": model, "prompt": "a long one", "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": "a long one",
+        "max_tokens": MAX_MODEL_LEN - 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
         lines = resp.iter_lines()
         got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
@@ -171,21 +250,39 @@ BAD_REQUESTS = [
     ("prompt too long", {"prompt": [5] * MAX_MODEL_LEN}, "prompt"),
     ("prompt + max_tokens too long", {"prompt": [5] * 1000, "max_tokens": 100}, "max_tokens"),
     ("token id out of vocab", {"prompt": [10**7]}, "prompt"),
-    ("kv_transfer_params not an object", {"prompt": "hi", "kv_transfer_params": "yes"}, "kv_transfer_params"),
-    ("kv_transfer_params bad field", {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": "yes"}},
-     "kv_transfer_params"),
-    ("kv_transfer_params bad block ids", {"prompt": "hi", "kv_transfer_params": {"remote_block_ids": [1, "x"]}},
-     "kv_transfer_params"),
+    (
+        "kv_transfer_params not an object",
+        {"prompt": "hi", "kv_transfer_params": "yes"},
+        "kv_transfer_params",
+    ),
+    (
+        "kv_transfer_params bad field",
+        {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": "yes"}},
+        "kv_transfer_params",
+    ),
+    (
+        "kv_transfer_params bad block ids",
+        {"prompt": "hi", "kv_transfer_params": {"remote_block_ids": [1, "x"]}},
+        "kv_transfer_params",
+    ),
     ("empty messages", {"messages": []}, "messages"),
 ]
 
 
 @pytest.mark.parametrize("name,body,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
-def test_bad_input_is_400(server: RemoteServer, model: str, name: str, body: object, param: str | None) -> None:
-    endpoint = "chat/completions" if isinstance(body, dict) and "messages" in body else "completions"
+def test_bad_input_is_400(
+    server: RemoteServer, model: str, name: str, body: object, param: str | None
+) -> None:
+    endpoint = (
+        "chat/completions" if isinstance(body, dict) and "messages" in body else "completions"
+    )
     content = body if isinstance(body, bytes) else json.dumps({"model": model, **body}).encode()
-    resp = httpx.post(f"{server.url}/v1/{endpoint}", content=content,
-                      headers={"Content-Type": "application/json"}, timeout=30)
+    resp = httpx.post(
+        f"{server.url}/v1/{endpoint}",
+        content=content,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["message"] and error["code"] == 400
@@ -210,17 +307,35 @@ def test_health_version_models(server: RemoteServer, model: str) -> None:
     card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
     assert card["id"] == model and card["max_model_len"] == MAX_MODEL_LEN
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "prefix_cache_hits_total", "prompt_tokens_total", "generation_tokens_total",
-                 "num_preemptions_total", "time_to_first_token_seconds_bucket",
-                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                 "request_success_total"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_hits_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_bucket",
+        "request_success_total",
+    ):
         assert f"pdserve:{name}" in text, name
 
 
 def test_api_key_and_overload(tiny_model: Callable[[str], str]) -> None:
-    with RemoteServer(["serve", "--model", tiny_model("llama"), "--dtype", "float32", 
-                       "--max-pending-requests", "1"], api_key="sekrit") as server:
+    with RemoteServer(
+        [
+            "serve",
+            "--model",
+            tiny_model("llama"),
+            "--dtype",
+            "float32",
+            "--max-pending-requests",
+            "1",
+        ],
+        api_key="sekrit",
+    ) as server:
         assert httpx.get(f"{server.url}/health").status_code == 200
         for path in ("/v1/models", "/metrics", "/version"):
             resp = httpx.get(f"{server.url}{path}")
@@ -232,18 +347,27 @@ def test_api_key_and_overload(tiny_model: Callable[[str], str]) -> None:
 
         async def burst() -> list[object]:
             aclient = server.async_client(api_key="sekrit")
-            return await asyncio.gather(*[
-                aclient.completions.create(model=model, prompt=f"p{i}", max_tokens=300,
-                                           extra_body={"ignore_eos": True})
-                for i in range(8)
-            ], return_exceptions=True)
+            return await asyncio.gather(
+                *[
+                    aclient.completions.create(
+                        model=model, prompt=f"p{i}", max_tokens=300, extra_body={"ignore_eos": True}
+                    )
+                    for i in range(8)
+                ],
+                return_exceptions=True,
+            )
 
         results = asyncio.run(burst())
         busy = [r for r in results if isinstance(r, openai.APIStatusError)]
-        assert busy and all(r.status_code == 503 and "overloaded" in r.message for r in busy), results
+        assert busy and all(r.status_code == 503 and "overloaded" in r.message for r in busy), (
+            results
+        )
         assert len(busy) < len(results), "the first request is served"
         server.wait_pool_full()
-        assert client.completions.create(model=model, prompt="y", max_tokens=2).usage.completion_tokens == 2
+        assert (
+            client.completions.create(model=model, prompt="y", max_tokens=2).usage.completion_tokens
+            == 2
+        )
         assert server.stop() == []
 
 
@@ -253,7 +377,13 @@ def test_engine_killed_fails_requests_and_health(tiny_model: Callable[[str], str
         model = server.client().models.list().data[0].id
         engine_pids = descendants(server.proc.pid)
         assert engine_pids, "the engine runs in its own process"
-        body = {"model": model, "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        body = {
+            "model": model,
+            "prompt": "x",
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
             lines = resp.iter_lines()
             next(lines)
@@ -265,7 +395,9 @@ def test_engine_killed_fails_requests_and_health(tiny_model: Callable[[str], str
         assert any('"error"' in line for line in rest), rest[-3:]
         assert rest[-1] == "data: [DONE]"
         health = httpx.get(f"{server.url}/health")
-        assert health.status_code == 503 and "exited unexpectedly" in health.json()["error"]["message"]
+        assert (
+            health.status_code == 503 and "exited unexpectedly" in health.json()["error"]["message"]
+        )
         with pytest.raises(openai.APIStatusError) as dead:
             server.client().completions.create(model=model, prompt="y", max_tokens=2)
         assert dead.value.status_code == 503

@@ -13,7 +13,13 @@ from collections.abc import Callable
 import pytest
 
 from pdserve import LLM
-from tests.unit.engine.test_correctness import RUNNERS, assert_pool_full, make_prompts, reference, run
+from tests.unit.engine.test_correctness import (
+    RUNNERS,
+    assert_pool_full,
+    make_prompts,
+    reference,
+    run,
+)
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 FAST = {("mp", "tp2", "v2", "async", "llama"), ("mp", "tp2", "v1", "sync", "qwen2_moe")}
@@ -53,8 +59,14 @@ def ray_started():
 
 @pytest.mark.parametrize("backend,layout,runner,mode,arch", cells())
 def test_layout_matches_hf(
-    tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, ray_started,
-    backend: str, layout: str, runner: str, mode: str, arch: str,
+    tiny_model: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    ray_started,
+    backend: str,
+    layout: str,
+    runner: str,
+    mode: str,
+    arch: str,
 ) -> None:
     if backend == "ray":
         ray_started()
@@ -62,8 +74,13 @@ def test_layout_matches_hf(
     tp, pp = LAYOUTS[layout]
     path = tiny_model(arch)
     with LLM(
-        model=path, dtype="float32", max_model_len=256, max_num_seqs=8,
-        tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend=backend,
+        model=path,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=8,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend=backend,
         async_scheduling=mode == "async",
     ) as llm:
         assert llm.config.scheduler_config.async_scheduling is (mode == "async")

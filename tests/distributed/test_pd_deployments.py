@@ -29,22 +29,49 @@ def _reference(model: str, max_tokens: int) -> list[list[int]]:
     return hf_greedy(Path(model), [tokenizer.encode(p) for p in PROMPTS], max_tokens)
 
 
-async def _complete_all(proxy: RemoteServer, model: str, prompts: list[str], max_tokens: int) -> list[object]:
+async def _complete_all(
+    proxy: RemoteServer, model: str, prompts: list[str], max_tokens: int
+) -> list[object]:
     client = proxy.async_client(timeout=300)
-    return await asyncio.gather(*[
-        client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0,
-                                  extra_body={"ignore_eos": True}) for p in prompts
-    ], return_exceptions=True)
+    return await asyncio.gather(
+        *[
+            client.completions.create(
+                model=model,
+                prompt=p,
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            for p in prompts
+        ],
+        return_exceptions=True,
+    )
 
 
 def test_two_prefill_two_decode_with_decode_tp2(tiny_model: Callable[[str], str]) -> None:
     model = tiny_model("llama")
-    with RemoteServer(["launch", "--model", model, "--dtype", "float32", "--prefill", "2", "--decode", "2",
-                       "--decode-tp", "2"], startup_timeout=600) as proxy:
+    with RemoteServer(
+        [
+            "launch",
+            "--model",
+            model,
+            "--dtype",
+            "float32",
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--decode-tp",
+            "2",
+        ],
+        startup_timeout=600,
+    ) as proxy:
         results = asyncio.run(_complete_all(proxy, model, PROMPTS, 8))
         assert [r.choices[0].model_extra["token_ids"] for r in results] == _reference(model, 8)
-        served = {role: [s.metric("kv_cache_total_blocks") for s in servers]
-                  for role, servers in instances(proxy).items()}
+        served = {
+            role: [s.metric("kv_cache_total_blocks") for s in servers]
+            for role, servers in instances(proxy).items()
+        }
         assert len(served["prefill"]) == 2 and len(served["decode"]) == 2
         for server in instances(proxy)["decode"]:
             assert server.metric("kv_transfers_total") > 0, "round-robin used both decode instances"
@@ -71,7 +98,9 @@ def test_decode_killed_under_load(tiny_model: Callable[[str], str]) -> None:
         servers += [start_instance(model, "kv_consumer"), start_instance(model, "kv_consumer")]
         p, d1, d2 = servers
         address = lambda s: s.url.removeprefix("http://")  # noqa: E731
-        proxy = RemoteServer(["proxy", "--prefill", address(p), "--decode", address(d1), address(d2)])
+        proxy = RemoteServer(
+            ["proxy", "--prefill", address(p), "--decode", address(d1), address(d2)]
+        )
         servers.append(proxy)
 
         async def load() -> list[object]:
@@ -79,9 +108,14 @@ def test_decode_killed_under_load(tiny_model: Callable[[str], str]) -> None:
 
             async def one(i: int) -> str:
                 text = ""
-                stream = await client.completions.create(model=model, prompt=f"load {i}", max_tokens=300,
-                                                         temperature=0, stream=True,
-                                                         extra_body={"ignore_eos": True})
+                stream = await client.completions.create(
+                    model=model,
+                    prompt=f"load {i}",
+                    max_tokens=300,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
                 async for chunk in stream:
                     text += chunk.choices[0].text if chunk.choices else ""
                 return text
@@ -93,7 +127,9 @@ def test_decode_killed_under_load(tiny_model: Callable[[str], str]) -> None:
             return await asyncio.gather(*tasks, return_exceptions=True)
 
         results = asyncio.run(load())
-        failed = [r for r in results if isinstance(r, BaseException) or (isinstance(r, str) and not r)]
+        failed = [
+            r for r in results if isinstance(r, BaseException) or (isinstance(r, str) and not r)
+        ]
         assert 0 < len(failed) < len(results), results
         # The proxy stops routing to the dead instance; the other keeps serving.
         deadline = time.monotonic() + 15
@@ -102,7 +138,12 @@ def test_decode_killed_under_load(tiny_model: Callable[[str], str]) -> None:
             time.sleep(0.5)
         client = proxy.client()
         for i in range(4):
-            assert client.completions.create(model=model, prompt=f"after {i}", max_tokens=3).usage.completion_tokens == 3
+            assert (
+                client.completions.create(
+                    model=model, prompt=f"after {i}", max_tokens=3
+                ).usage.completion_tokens
+                == 3
+            )
         d2.wait_pool_full(timeout=30)
         p.wait_pool_full(timeout=30)  # what the dead instance never read is freed by the lease
     finally:
@@ -111,26 +152,47 @@ def test_decode_killed_under_load(tiny_model: Callable[[str], str]) -> None:
 
 
 def test_default_model_through_proxy_matches_single_instance() -> None:
-    prompts = ["What is the capital of France?", "Name three primary colors.", "Count to five.",
-               "Write one sentence about the ocean."] * 4
+    prompts = [
+        "What is the capital of France?",
+        "Name three primary colors.",
+        "Count to five.",
+        "Write one sentence about the ocean.",
+    ] * 4
     single = RemoteServer(["serve"], startup_timeout=600)
     try:
         model = single.client().models.list().data[0].id
-        expected = [single.client().chat.completions.create(
-            model=model, messages=[{"role": "user", "content": p}], max_tokens=16, temperature=0,
-        ).choices[0].model_extra["token_ids"] for p in prompts[:4]]
+        expected = [
+            single.client()
+            .chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": p}],
+                max_tokens=16,
+                temperature=0,
+            )
+            .choices[0]
+            .model_extra["token_ids"]
+            for p in prompts[:4]
+        ]
     finally:
         single.stop()
     with RemoteServer(["launch"], startup_timeout=900) as proxy:
         client = proxy.client(timeout=300)
         for i, p in enumerate(prompts):
             messages = [{"role": "user", "content": p}]
-            out = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+            out = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=16, temperature=0
+            )
             assert out.choices[0].model_extra["token_ids"] == expected[i % 4]
             if i < 4:
-                chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
-                                                        temperature=0, stream=True)
-                ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids", [])]
+                chunks = client.chat.completions.create(
+                    model=model, messages=messages, max_tokens=16, temperature=0, stream=True
+                )
+                ids = [
+                    t
+                    for c in chunks
+                    if c.choices
+                    for t in c.choices[0].model_extra.get("token_ids", [])
+                ]
                 assert ids == expected[i]
         wait_all_pools_full(proxy)
         assert proxy.stop() == []
@@ -151,7 +213,9 @@ def two_hosts() -> Iterator[dict[str, str]]:
     reason = None
     if os.geteuid() != 0:
         reason = "needs root to create network namespaces"
-    elif subprocess.run(["ip", "netns", "add", "pdserve-probe"], capture_output=True).returncode != 0:
+    elif (
+        subprocess.run(["ip", "netns", "add", "pdserve-probe"], capture_output=True).returncode != 0
+    ):
         reason = "`ip netns add` is not permitted here"
     else:
         _sh("ip", "netns", "del", "pdserve-probe")
@@ -167,8 +231,12 @@ def two_hosts() -> Iterator[dict[str, str]]:
             _sh("ip", "link", "set", f"{veth}n", "netns", ns)
             _sh("ip", "addr", "add", f"{outer}/24", "dev", veth)
             _sh("ip", "link", "set", veth, "up")
-            for cmd in (["ip", "addr", "add", f"{inner}/24", "dev", f"{veth}n"], ["ip", "link", "set", f"{veth}n", "up"],
-                        ["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "default", "via", outer]):
+            for cmd in (
+                ["ip", "addr", "add", f"{inner}/24", "dev", f"{veth}n"],
+                ["ip", "link", "set", f"{veth}n", "up"],
+                ["ip", "link", "set", "lo", "up"],
+                ["ip", "route", "add", "default", "via", outer],
+            ):
                 _sh("ip", "netns", "exec", ns, *cmd)
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
         yield {ns: inner for ns, (_, inner) in _NETNS.items()}
@@ -180,25 +248,43 @@ def two_hosts() -> Iterator[dict[str, str]]:
 
 
 @pytest.mark.parametrize("transport", ["nixl", "ucx"])
-def test_two_hosts_by_network_namespaces(tiny_model: Callable[[str], str], two_hosts: dict[str, str],
-                                         transport: str) -> None:
+def test_two_hosts_by_network_namespaces(
+    tiny_model: Callable[[str], str], two_hosts: dict[str, str], transport: str
+) -> None:
     model = tiny_model("llama")
     (ns_p, host_p), (ns_d, host_d) = two_hosts.items()
     servers = []
     try:
         # Shared memory does not work across network namespaces (UCX still offers it): tcp only.
         extra = {"ucx_tls": "self,tcp"} if transport == "ucx" else {}
-        p = start_instance(model, "kv_producer", transport, host=host_p, prefix=["ip", "netns", "exec", ns_p],
-                           **extra)
+        p = start_instance(
+            model,
+            "kv_producer",
+            transport,
+            host=host_p,
+            prefix=["ip", "netns", "exec", ns_p],
+            **extra,
+        )
         servers.append(p)
-        d = start_instance(model, "kv_consumer", transport, host=host_d, prefix=["ip", "netns", "exec", ns_d],
-                           **extra)
+        d = start_instance(
+            model,
+            "kv_consumer",
+            transport,
+            host=host_d,
+            prefix=["ip", "netns", "exec", ns_d],
+            **extra,
+        )
         servers.append(d)
         reference = _reference(model, 8)
         tokenizer = AutoTokenizer.from_pretrained(model)
         for prompt, expected in zip(PROMPTS[:6], reference):
-            body = {"model": model, "prompt": tokenizer.encode(prompt), "max_tokens": 8, "temperature": 0,
-                    "ignore_eos": True}
+            body = {
+                "model": model,
+                "prompt": tokenizer.encode(prompt),
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             resp = split_request(p, d, body)
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["token_ids"] == expected

@@ -17,7 +17,13 @@ from tests.utils.server import descendants
 
 
 def _body(model: str, prompt: list[int], max_tokens: int = 8) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 def test_lease_expires_when_no_decode_reads(tiny_model: Callable[[str], str]) -> None:
@@ -26,7 +32,9 @@ def test_lease_expires_when_no_decode_reads(tiny_model: Callable[[str], str]) ->
     p = start_instance(model, "kv_producer", kv_lease_duration=2)
     try:
         prefill(p, _body(model, list(range(5, 60))))
-        assert p.metric("kv_cache_free_blocks") < p.metric("kv_cache_total_blocks") - 1, "blocks held"
+        assert p.metric("kv_cache_free_blocks") < p.metric("kv_cache_total_blocks") - 1, (
+            "blocks held"
+        )
         p.wait_pool_full(timeout=15)
         assert p.metric("kv_expired_leases_total") == 1
         assert "lease expired" in p.read_log()
@@ -43,8 +51,11 @@ def test_prefill_killed_before_read(tiny_model: Callable[[str], str]) -> None:
         for pid in [p.proc.pid, *descendants(p.proc.pid)]:
             os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
-        resp = httpx.post(f"{d.url}/v1/completions", json={**_body(model, list(range(5, 60))),
-                                                            "kv_transfer_params": params}, timeout=60)
+        resp = httpx.post(
+            f"{d.url}/v1/completions",
+            json={**_body(model, list(range(5, 60))), "kv_transfer_params": params},
+            timeout=60,
+        )
         assert time.monotonic() - start < 15
         assert resp.status_code == 500, resp.text
         assert "KV cache could not be loaded" in resp.json()["error"]["message"]
@@ -64,8 +75,11 @@ def test_model_mismatch_at_handshake(tiny_model: Callable[[str], str]) -> None:
     d = start_instance(tiny_model("llama"), "kv_consumer")
     try:
         params = prefill(p, _body(tiny_model("qwen2"), [5, 6, 7, 8]))
-        resp = httpx.post(f"{d.url}/v1/completions", json={**_body(tiny_model("llama"), [5, 6, 7, 8]),
-                                                            "kv_transfer_params": params}, timeout=60)
+        resp = httpx.post(
+            f"{d.url}/v1/completions",
+            json={**_body(tiny_model("llama"), [5, 6, 7, 8]), "kv_transfer_params": params},
+            timeout=60,
+        )
         assert resp.status_code == 500
         assert "compatibility hash mismatch" in d.read_log()
         assert d.metric("kv_handshake_failures_total") == 1
@@ -84,8 +98,11 @@ def test_abort_while_waiting_for_remote_kvs_frees_both(tiny_model: Callable[[str
         params = prefill(p, _body(model, prompt))
         # The client gives up at once, while the decode side handshakes and reads.
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(f"{d.url}/v1/completions", json={**_body(model, prompt, 500), "kv_transfer_params": params},
-                       timeout=0.05)
+            httpx.post(
+                f"{d.url}/v1/completions",
+                json={**_body(model, prompt, 500), "kv_transfer_params": params},
+                timeout=0.05,
+            )
         d.wait_pool_full(timeout=30)
         # The prefill side heard from the reader and freed long before its 120 s lease.
         p.wait_pool_full(timeout=30)
@@ -123,7 +140,9 @@ def test_garbage_on_the_side_channel_is_dropped(tiny_model: Callable[[str], str]
         assert p.stop() == [] and d.stop() == []
 
 
-def test_decode_rejects_before_admission_prefill_frees_at_once(tiny_model: Callable[[str], str]) -> None:
+def test_decode_rejects_before_admission_prefill_frees_at_once(
+    tiny_model: Callable[[str], str],
+) -> None:
     """A decode instance that refuses the request (400) tells the prefill side, which does not
     wait for its lease (pd_lessons 2)."""
     model = tiny_model("llama")

@@ -13,7 +13,12 @@ from tests.utils.tiny_models import hf_greedy
 
 MAX_TOKENS = 12
 # Token prompts: under one block, exactly two blocks, several blocks plus a partial one.
-PROMPTS = [[7, 8, 9], list(range(10, 42)), [(i * 37) % 400 + 5 for i in range(75)], list(range(3, 20))]
+PROMPTS = [
+    [7, 8, 9],
+    list(range(10, 42)),
+    [(i * 37) % 400 + 5 for i in range(75)],
+    list(range(3, 20)),
+]
 
 CASES = [
     pytest.param("nixl", 1, 1, "1", id="nixl-tp1-tp1-v2"),
@@ -33,8 +38,14 @@ def reference(tiny_model: Callable[[str], str]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("transport,prefill_tp,decode_tp,runner", CASES)
-def test_split_matches_reference(tiny_model: Callable[[str], str], reference: list[list[int]],
-                                 transport: str, prefill_tp: int, decode_tp: int, runner: str) -> None:
+def test_split_matches_reference(
+    tiny_model: Callable[[str], str],
+    reference: list[list[int]],
+    transport: str,
+    prefill_tp: int,
+    decode_tp: int,
+    runner: str,
+) -> None:
     model = tiny_model("llama")
     servers = []
     try:
@@ -45,8 +56,13 @@ def test_split_matches_reference(tiny_model: Callable[[str], str], reference: li
         bytes_read = []
         for prompt, expected in zip(PROMPTS, reference):
             before = d.metric("kv_transfer_bytes_total")
-            body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                    "ignore_eos": True}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             resp = split_request(p, d, body)
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["token_ids"] == expected
@@ -54,8 +70,13 @@ def test_split_matches_reference(tiny_model: Callable[[str], str], reference: li
         assert all(b > 0 for b in bytes_read) and d.metric("kv_transfers_total") >= len(PROMPTS)
         # A prefix hit on the decode side: it reads only the block it does not hold (1 of 5).
         before = d.metric("kv_transfer_bytes_total")
-        body = {"model": model, "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "model": model,
+            "prompt": PROMPTS[2],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         resp = split_request(p, d, body)
         assert resp.json()["choices"][0]["token_ids"] == reference[-1]
         assert d.metric("kv_transfer_bytes_total") - before == bytes_read[2] / 5
@@ -74,21 +95,42 @@ def test_chat_and_streaming_through_split(tiny_model: Callable[[str], str], endp
     d = start_instance(model, "kv_consumer")
     try:
         if endpoint == "completions":
-            body = {"model": model, "prompt": "the quick brown fox", "max_tokens": 10, "temperature": 0}
+            body = {
+                "model": model,
+                "prompt": "the quick brown fox",
+                "max_tokens": 10,
+                "temperature": 0,
+            }
         else:
-            body = {"model": model, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 10,
-                    "temperature": 0}
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": "hi there"}],
+                "max_tokens": 10,
+                "temperature": 0,
+            }
         single = d.client()
-        direct = (single.completions.create(**body) if endpoint == "completions"
-                  else single.chat.completions.create(**body))
-        expected = direct.choices[0].text if endpoint == "completions" else direct.choices[0].message.content
+        direct = (
+            single.completions.create(**body)
+            if endpoint == "completions"
+            else single.chat.completions.create(**body)
+        )
+        expected = (
+            direct.choices[0].text
+            if endpoint == "completions"
+            else direct.choices[0].message.content
+        )
         resp = split_request(p, d, body, endpoint)
         assert resp.status_code == 200, resp.text
         choice = resp.json()["choices"][0]
-        assert (choice["text"] if endpoint == "completions" else choice["message"]["content"]) == expected
+        assert (
+            choice["text"] if endpoint == "completions" else choice["message"]["content"]
+        ) == expected
         streamed = split_request(p, d, {**body, "stream": True}, endpoint)
-        chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
-                  if line.startswith("data: {")]
+        chunks = [
+            json.loads(line[6:])
+            for line in streamed.text.splitlines()
+            if line.startswith("data: {")
+        ]
         key = "text" if endpoint == "completions" else "delta"
         parts = [c["choices"][0][key] for c in chunks if c["choices"]]
         joined = "".join(x if isinstance(x, str) else x.get("content", "") for x in parts)

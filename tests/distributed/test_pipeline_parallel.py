@@ -21,8 +21,14 @@ def make_llm(path: str, tp: int, runner: str, **kwargs: int) -> LLM:
     # A small step budget splits the longer prompts into chunks: steps in which no request
     # samples still pass activations from stage to stage.
     llm = LLM(
-        model=path, dtype="float32", max_model_len=256, max_num_batched_tokens=32, max_num_seqs=8,
-        tensor_parallel_size=tp, pipeline_parallel_size=2, distributed_executor_backend="mp",
+        model=path,
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="mp",
         **kwargs,
     )
     assert llm.config.use_v2_model_runner is (runner == "v2")
@@ -35,8 +41,13 @@ def short_prompts(llm: LLM) -> list[list[int]]:
 
 def test_executor_tp2_pp2(tiny_model: Callable[[str], str]) -> None:
     config = EngineConfig.from_engine_args(
-        model=tiny_model("llama"), dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
-        tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp",
+        model=tiny_model("llama"),
+        dtype="float32",
+        max_model_len=128,
+        num_gpu_blocks_override=64,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="mp",
     )
     executor = MultiprocExecutor(config)
     try:

@@ -29,7 +29,9 @@ def deployment(tiny_model: Callable[[str], str]) -> Iterator[RemoteServer]:
         assert proxy.stop() == [], "processes left behind"
 
 
-def test_completions_through_proxy_match_reference(deployment: RemoteServer, tiny_model: Callable[[str], str]) -> None:
+def test_completions_through_proxy_match_reference(
+    deployment: RemoteServer, tiny_model: Callable[[str], str]
+) -> None:
     model = tiny_model("llama")
     client = deployment.client()
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -37,21 +39,37 @@ def test_completions_through_proxy_match_reference(deployment: RemoteServer, tin
 
     async def run() -> list[openai.types.Completion]:
         aclient = deployment.async_client()
-        return await asyncio.gather(*[
-            aclient.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                       extra_body={"ignore_eos": True}) for p in PROMPTS
-        ])
+        return await asyncio.gather(
+            *[
+                aclient.completions.create(
+                    model=model,
+                    prompt=p,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                for p in PROMPTS
+            ]
+        )
 
     results = asyncio.run(run())
     assert [r.choices[0].model_extra["token_ids"] for r in results] == reference
     for prompt, full in zip(PROMPTS, results):
-        chunks = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     wait_all_pools_full(deployment)
 
 
-def test_chat_through_proxy_matches_reference(deployment: RemoteServer, tiny_model: Callable[[str], str]) -> None:
+def test_chat_through_proxy_matches_reference(
+    deployment: RemoteServer, tiny_model: Callable[[str], str]
+) -> None:
     model = tiny_model("llama")
     client = deployment.client()
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -60,13 +78,26 @@ def test_chat_through_proxy_matches_reference(deployment: RemoteServer, tiny_mod
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         expected = hf_greedy(Path(model), [ids], MAX_TOKENS)[0]
-        full = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
-                                              temperature=0, extra_body={"ignore_eos": True})
+        full = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert full.choices[0].model_extra["token_ids"] == expected
-        chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
-                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
-            full.choices[0].message.content
+        chunks = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            == full.choices[0].message.content
+        )
     wait_all_pools_full(deployment)
 
 
@@ -74,12 +105,18 @@ def test_proxy_health_models_and_request_id(deployment: RemoteServer) -> None:
     health = httpx.get(f"{deployment.url}/health").json()
     assert health["status"] == "ok" and len(health["prefill"]) == 1 and len(health["decode"]) == 1
     model = deployment.client().models.list().data[0].id
-    resp = httpx.post(f"{deployment.url}/v1/completions", headers={"X-Request-Id": "my-id-1"},
-                      json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    resp = httpx.post(
+        f"{deployment.url}/v1/completions",
+        headers={"X-Request-Id": "my-id-1"},
+        json={"model": model, "prompt": "hi", "max_tokens": 2},
+        timeout=60,
+    )
     assert resp.status_code == 200 and resp.json()["id"] == "cmpl-my-id-1"
     assert resp.headers["x-request-id"] == "my-id-1" and int(resp.headers["x-pd-kv-blocks"]) == 1
     # Bad input is the client's error, through the proxy as well.
-    bad = httpx.post(f"{deployment.url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 0})
+    bad = httpx.post(
+        f"{deployment.url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 0}
+    )
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
     garbage = httpx.post(f"{deployment.url}/v1/completions", content=b"{nope")
     assert garbage.status_code == 400
@@ -87,7 +124,13 @@ def test_proxy_health_models_and_request_id(deployment: RemoteServer) -> None:
 
 def test_client_disconnect_through_proxy_frees_both_sides(deployment: RemoteServer) -> None:
     model = deployment.client().models.list().data[0].id
-    body = {"model": model, "prompt": "a long answer", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": "a long answer",
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{deployment.url}/v1/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
         assert any(line.startswith("data:") for line, _ in zip(lines, range(4)))
@@ -113,8 +156,11 @@ def test_launch_stops_everything_when_a_child_dies(tiny_model: Callable[[str], s
     pids = _launch_pids(server)
     decode_url = httpx.get(f"{server.url}/health").json()["decode"][0]["url"]
     port = decode_url.rsplit(":", 1)[1]
-    victim = next(p for p in descendants(server.proc.pid)
-                  if f"--port {port}" in open(f"/proc/{p}/cmdline").read().replace("\0", " "))
+    victim = next(
+        p
+        for p in descendants(server.proc.pid)
+        if f"--port {port}" in open(f"/proc/{p}/cmdline").read().replace("\0", " ")
+    )
     os.kill(victim, signal.SIGKILL)
     assert server.proc.wait(60) == 1
     assert wait_until_gone(pids, 30) == []

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from pdserve.executor.ray_executor import RayExecutor
 
 needs_ray = pytest.mark.skipif(
-    importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'pdserve[ray]')"
+    importlib.util.find_spec("ray") is None,
+    reason="ray is not installed (pip install 'pdserve[ray]')",
 )
 
 
@@ -37,8 +38,13 @@ def ray_session():
 
 def make_config(path: str, tp: int, pp: int = 1) -> EngineConfig:
     return EngineConfig.from_engine_args(
-        model=path, dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
-        tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="ray",
+        model=path,
+        dtype="float32",
+        max_model_len=128,
+        num_gpu_blocks_override=64,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="ray",
     )
 
 
@@ -167,9 +173,13 @@ def test_startup_failure_names_the_rank(ray_session, tiny_model, tmp_path):
     from pdserve.executor.ray_executor import RayExecutor
 
     before = set(ray_session.util.placement_group_table())
-    with pytest.raises(RuntimeError, match=r"Worker rank 0 failed to start: ValueError.*safetensors"):
+    with pytest.raises(
+        RuntimeError, match=r"Worker rank 0 failed to start: ValueError.*safetensors"
+    ):
         RayExecutor(config)
-    created = [pg for pg_id, pg in ray_session.util.placement_group_table().items() if pg_id not in before]
+    created = [
+        pg for pg_id, pg in ray_session.util.placement_group_table().items() if pg_id not in before
+    ]
     assert [pg["state"] for pg in created] == ["REMOVED"]
 
 
@@ -179,8 +189,14 @@ def test_startup_failure_names_the_rank(ray_session, tiny_model, tmp_path):
 def test_greedy_matches_hf(ray_session, tiny_model, tp, pp):
     path = tiny_model("llama")
     skip_without_pp(path, pp)
-    with LLM(model=path, distributed_executor_backend="ray", tensor_parallel_size=tp,
-             pipeline_parallel_size=pp, dtype="float32", max_model_len=256) as llm:
+    with LLM(
+        model=path,
+        distributed_executor_backend="ray",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        dtype="float32",
+        max_model_len=256,
+    ) as llm:
         prompts = make_prompts(llm.config.model_config.vocab_size, shared_prefix=20)
         assert run(llm, prompts) == reference(path, prompts)
 
@@ -191,6 +207,8 @@ def test_missing_ray_is_a_clear_error(monkeypatch, tiny_model):
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     monkeypatch.delitem(sys.modules, "pdserve.executor.ray_executor", raising=False)
-    config = EngineConfig.from_engine_args(model=tiny_model("llama"), distributed_executor_backend="ray")
+    config = EngineConfig.from_engine_args(
+        model=tiny_model("llama"), distributed_executor_backend="ray"
+    )
     with pytest.raises(ValueError, match=r"pip install 'pdserve\[ray\]'"):
         Executor.get_class(config)

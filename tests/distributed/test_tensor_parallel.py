@@ -75,7 +75,10 @@ def test_llm_tp2_matches_hf(tiny_model: Callable[[str], str]) -> None:
     """OPT has as many KV heads as heads: each rank caches its half of them."""
     path = tiny_model("opt")
     with LLM(
-        model=path, dtype="float32", max_model_len=256, tensor_parallel_size=TP_SIZE,
+        model=path,
+        dtype="float32",
+        max_model_len=256,
+        tensor_parallel_size=TP_SIZE,
         distributed_executor_backend="mp",
     ) as llm:
         prompts = make_prompts(VOCAB_SIZE)[::2]

@@ -40,8 +40,9 @@ class Pair:
     """A reader transport here, and an owner transport in a child process that knows it."""
 
     def __init__(self, backend: str, name: str) -> None:
-        self.owner = PeerProcess(backend, f"{name}-owner", NUM_BLOCKS, BLOCK_LEN,
-                                 timeout_s=TIMEOUT_S)
+        self.owner = PeerProcess(
+            backend, f"{name}-owner", NUM_BLOCKS, BLOCK_LEN, timeout_s=TIMEOUT_S
+        )
         try:
             self.reader = make_transport(backend, f"{name}-reader", timeout_s=TIMEOUT_S)
         except BaseException:
@@ -81,7 +82,9 @@ def test_block_descs_coalesces_runs_consecutive_on_both_sides() -> None:
     assert local == [Desc(0, 400, 300), Desc(0, 900, 100), Desc(0, 1000, 100), Desc(0, 200, 100)]
     assert remote == [Desc(1, 700, 300), Desc(1, 300, 100), Desc(1, 500, 100), Desc(1, 600, 100)]
     assert block_descs(0, list(range(64)), 0, list(range(100, 164)), 16) == (
-        [Desc(0, 0, 64 * 16)], [Desc(0, 1600, 64 * 16)])
+        [Desc(0, 0, 64 * 16)],
+        [Desc(0, 1600, 64 * 16)],
+    )
     assert block_descs(0, [], 0, [], 16) == ([], [])
     with pytest.raises(ValueError, match="2 local blocks but 1 remote"):
         block_descs(0, [1, 2], 0, [1], 16)
@@ -92,8 +95,9 @@ def test_make_transport_names_the_choices() -> None:
         make_transport("rdma", "x")
 
 
-@pytest.mark.parametrize("backend, library, package",
-                         [("nixl", "nixl", "nixl-cu12"), ("ucx", "ucxx", "ucxx-cu12")])
+@pytest.mark.parametrize(
+    "backend, library, package", [("nixl", "nixl", "nixl-cu12"), ("ucx", "ucxx", "ucxx-cu12")]
+)
 def test_make_transport_without_its_library_names_the_package(
     backend: str, library: str, package: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -123,7 +127,8 @@ def test_read_permuted_blocks_and_owner_gets_notif(pair: Pair) -> None:
     local_ids = list(range(NUM_BLOCKS))
     # A long run consecutive on both sides, then the rest scattered.
     remote_ids = list(range(100, 164)) + rng.sample(
-        [b for b in range(NUM_BLOCKS) if not 100 <= b < 164], NUM_BLOCKS - 64)
+        [b for b in range(NUM_BLOCKS) if not 100 <= b < 164], NUM_BLOCKS - 64
+    )
     local, remote = block_descs(0, local_ids, 0, remote_ids, BLOCK_LEN)
     assert local[0] == Desc(0, 0, 64 * BLOCK_LEN) and len(local) < NUM_BLOCKS - 60
     pair.kv.zero_()

@@ -19,7 +19,12 @@ import pytest
 from aiohttp import web
 
 from pdserve.entrypoints.bench_serve import (
-    CHAT, COMPLETIONS, add_bench_serve_args, benchmark, format_table, run_bench_serve,
+    CHAT,
+    COMPLETIONS,
+    add_bench_serve_args,
+    benchmark,
+    format_table,
+    run_bench_serve,
 )
 
 MODEL = "fake-model"
@@ -67,12 +72,17 @@ class FakeServer:
         for _ in range(body["max_tokens"] // TOKENS_PER_CHUNK):
             await asyncio.sleep(CHUNK_DELAY_S)
             text = "ab" * TOKENS_PER_CHUNK
-            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            choice = (
+                {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            )
             await send({"choices": [choice]})
         if body.get("stream_options", {}).get("include_usage") and prompt != NO_USAGE_PROMPT:
             prompt_tokens = len(prompt.split())
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": body["max_tokens"],
-                     "total_tokens": prompt_tokens + body["max_tokens"]}
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": body["max_tokens"],
+                "total_tokens": prompt_tokens + body["max_tokens"],
+            }
             await send({"choices": [], "usage": usage})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -123,7 +133,9 @@ def test_counts_tokens_and_failures(server: tuple[FakeServer, str], endpoint: st
     # Six from usage; the one without usage counts its chunks.
     assert result["total_output_tokens"] == 6 * max_tokens + max_tokens // TOKENS_PER_CHUNK
     assert result["total_input_tokens"] == 6 * 2
-    assert result["output_throughput"] == pytest.approx(result["total_output_tokens"] / result["duration"])
+    assert result["output_throughput"] == pytest.approx(
+        result["total_output_tokens"] / result["duration"]
+    )
     assert_latencies_sane(result)
     # TTFT waits for text: the role-only chat chunk and the keep-alive comment come before it.
     assert result["p50_ttft_ms"] >= CHUNK_DELAY_S * 1000 * 0.8
@@ -141,8 +153,19 @@ def test_poisson_arrivals_and_concurrency_limit(server: tuple[FakeServer, str]) 
     assert result["duration"] >= 0.4 * num_prompts / rate
 
     fake.peak_in_flight = 0
-    result = asyncio.run(benchmark(url, COMPLETIONS, MODEL, ["x"] * 8, float("inf"), 4, seed=1,
-                                   max_concurrency=2, ignore_eos=False))
+    result = asyncio.run(
+        benchmark(
+            url,
+            COMPLETIONS,
+            MODEL,
+            ["x"] * 8,
+            float("inf"),
+            4,
+            seed=1,
+            max_concurrency=2,
+            ignore_eos=False,
+        )
+    )
     assert result["completed"] == 8 and fake.peak_in_flight <= 2
     assert "ignore_eos" not in fake.bodies[-1]
 
@@ -154,8 +177,20 @@ def test_run_bench_serve_writes_json_and_table(
     parser = argparse.ArgumentParser()
     add_bench_serve_args(parser)
     out = tmp_path / "result.json"
-    args = parser.parse_args(["--base-url", url, "--num-prompts", "40", "--max-tokens", "4",
-                              "--label", "fake", "--result-json", str(out)])
+    args = parser.parse_args(
+        [
+            "--base-url",
+            url,
+            "--num-prompts",
+            "40",
+            "--max-tokens",
+            "4",
+            "--label",
+            "fake",
+            "--result-json",
+            str(out),
+        ]
+    )
     start = time.perf_counter()
     result = run_bench_serve(args)
     assert time.perf_counter() - start < 5
@@ -173,7 +208,9 @@ def test_format_table_side_by_side(server: tuple[FakeServer, str]) -> None:
 
     async def both() -> list[dict]:
         return [
-            await benchmark(url, COMPLETIONS, MODEL, ["a b"] * 4, float("inf"), 4, 0, label="prefill-heavy"),
+            await benchmark(
+                url, COMPLETIONS, MODEL, ["a b"] * 4, float("inf"), 4, 0, label="prefill-heavy"
+            ),
             await benchmark(url, CHAT, MODEL, ["a b"] * 4, float("inf"), 4, 0, label="decode"),
         ]
 

@@ -35,13 +35,21 @@ TRUTH_TABLE = [
 @pytest.mark.parametrize("arch,runner_type,is_moe,is_quantized,extra,expected", TRUTH_TABLE)
 def test_is_default_v2_model_runner_model(arch, runner_type, is_moe, is_quantized, extra, expected):
     mc = SimpleNamespace(
-        architectures=[arch], runner_type=runner_type, is_moe=is_moe, is_quantized=is_quantized, **extra
+        architectures=[arch],
+        runner_type=runner_type,
+        is_moe=is_moe,
+        is_quantized=is_quantized,
+        **extra,
     )
-    assert EngineConfig._is_default_v2_model_runner_model(SimpleNamespace(model_config=mc)) is expected
+    assert (
+        EngineConfig._is_default_v2_model_runner_model(SimpleNamespace(model_config=mc)) is expected
+    )
 
 
 def test_no_model_config_is_not_default_v2():
-    assert EngineConfig._is_default_v2_model_runner_model(SimpleNamespace(model_config=None)) is False
+    assert (
+        EngineConfig._is_default_v2_model_runner_model(SimpleNamespace(model_config=None)) is False
+    )
 
 
 @pytest.mark.parametrize("value,expected", [(None, None), ("0", False), ("1", True)])
@@ -78,7 +86,10 @@ def test_explicit_env_wins(monkeypatch, tiny_model):
 
 
 UNSUPPORTED = [
-    ({"parallel_config": ParallelConfig(prefill_context_parallel_size=2)}, "prefill context parallelism"),
+    (
+        {"parallel_config": ParallelConfig(prefill_context_parallel_size=2)},
+        "prefill context parallelism",
+    ),
     ({"speculative_config": {"method": "ngram"}}, "speculative method 'ngram'"),
     ({"parallel_config": ParallelConfig(enable_dbo=True)}, "dual batch overlap"),
     ({"enable_return_routed_experts": True}, "routed experts capture"),
@@ -91,7 +102,11 @@ UNSUPPORTED = [
 def build(tiny_path: str, overrides: dict) -> EngineConfig:
     from pdserve.config import ModelConfig
 
-    model_kwargs = {k: overrides.pop(k) for k in ("enable_return_routed_experts", "logits_processors") if k in overrides}
+    model_kwargs = {
+        k: overrides.pop(k)
+        for k in ("enable_return_routed_experts", "logits_processors")
+        if k in overrides
+    }
     return EngineConfig(model_config=ModelConfig(model=tiny_path, **model_kwargs), **overrides)
 
 
@@ -144,8 +159,15 @@ def test_supported_speculative_method_is_still_not_implemented(monkeypatch, tiny
 
 @pytest.mark.parametrize(
     "async_scheduling,v2,pp,expected",
-    [(False, True, 1, 1), (True, True, 1, 2), (True, False, 1, 2), (False, False, 1, 1),
-     (True, True, 2, 3), (True, False, 2, 2), (False, True, 2, 2)],
+    [
+        (False, True, 1, 1),
+        (True, True, 1, 2),
+        (True, False, 1, 2),
+        (False, False, 1, 1),
+        (True, True, 2, 3),
+        (True, False, 2, 2),
+        (False, True, 2, 2),
+    ],
 )
 def test_max_concurrent_batches(async_scheduling, v2, pp, expected):
     config = SimpleNamespace(
@@ -173,7 +195,10 @@ def test_async_scheduling_is_on_by_default(monkeypatch, tiny_model, value, expec
         (lambda: CacheConfig(block_size=17), "block_size"),
         (lambda: CacheConfig(num_gpu_blocks_override=1), "num_gpu_blocks_override"),
         (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size"),
-        (lambda: ParallelConfig(distributed_executor_backend="mpi"), "distributed_executor_backend"),
+        (
+            lambda: ParallelConfig(distributed_executor_backend="mpi"),
+            "distributed_executor_backend",
+        ),
     ],
 )
 def test_invalid_values_name_the_field(make, field):
@@ -186,20 +211,47 @@ def test_invalid_values_name_the_field(make, field):
     [
         ({"dtype": "int8"}, "dtype"),
         ({"max_model_len": 10**7}, "max_model_len"),
-        ({"max_model_len": 512, "enable_chunked_prefill": False, "max_num_batched_tokens": 256}, "max_num_batched_tokens"),
+        (
+            {"max_model_len": 512, "enable_chunked_prefill": False, "max_num_batched_tokens": 256},
+            "max_num_batched_tokens",
+        ),
         ({"pipeline_parallel_size": 3}, "pipeline_parallel_size"),  # the model has 2 layers
-        ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "distributed_executor_backend"),
-        ({"kv_transfer_config": {"kv_connector": "NoSuchConnector"}}, "kv_transfer_config.kv_connector"),
+        (
+            {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
+            "distributed_executor_backend",
+        ),
+        (
+            {"kv_transfer_config": {"kv_connector": "NoSuchConnector"}},
+            "kv_transfer_config.kv_connector",
+        ),
         ({"kv_transfer_config": {"kv_role": "kv_reader"}}, "kv_transfer_config.kv_role"),
-        ({"kv_transfer_config": {"kv_role": "kv_producer", "bogus": 1}}, "kv_transfer_config has unknown keys"),
+        (
+            {"kv_transfer_config": {"kv_role": "kv_producer", "bogus": 1}},
+            "kv_transfer_config has unknown keys",
+        ),
         ({"kv_transfer_config": "NixlConnector"}, "kv_transfer_config must be an object"),
         ({"kv_transfer_config": {"kv_connector_extra_config": {"transport": "tcp"}}}, "transport"),
-        ({"kv_transfer_config": {"kv_connector_extra_config": {"kv_lease_duration": 0}}}, "kv_lease_duration"),
-        ({"kv_transfer_config": {"kv_connector_extra_config": {"kv_load_failure_policy": "retry"}}},
-         "kv_load_failure_policy"),
+        (
+            {"kv_transfer_config": {"kv_connector_extra_config": {"kv_lease_duration": 0}}},
+            "kv_lease_duration",
+        ),
+        (
+            {
+                "kv_transfer_config": {
+                    "kv_connector_extra_config": {"kv_load_failure_policy": "retry"}
+                }
+            },
+            "kv_load_failure_policy",
+        ),
         ({"kv_transfer_config": {"kv_connector_extra_config": {"lease": 3}}}, "unknown keys"),
-        ({"kv_transfer_config": {"kv_role": "kv_producer"}, "pipeline_parallel_size": 2,
-          "distributed_executor_backend": "mp"}, "pipeline_parallel_size > 1"),
+        (
+            {
+                "kv_transfer_config": {"kv_role": "kv_producer"},
+                "pipeline_parallel_size": 2,
+                "distributed_executor_backend": "mp",
+            },
+            "pipeline_parallel_size > 1",
+        ),
         ({"async_scheduling": "yes"}, "async_scheduling"),
         ({"no_such_knob": 1}, "no_such_knob"),
     ],
@@ -211,15 +263,21 @@ def test_engine_args_errors_name_the_field(tiny_model, kwargs, field):
 
 def test_tensor_parallel_size_must_divide_the_heads(tiny_model):
     # The tiny llama has 4 attention heads and 2 KV heads.
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"
+    ):
         make_config(tiny_model("llama"), tensor_parallel_size=3, distributed_executor_backend="mp")
-    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's 2 KV heads"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=4 does not divide the model's 2 KV heads"
+    ):
         make_config(tiny_model("llama"), tensor_parallel_size=4, distributed_executor_backend="mp")
 
 
 def test_kv_transfer_config_defaults_follow_vllm(tiny_model):
-    config = make_config(tiny_model("llama"), kv_transfer_config={"kv_connector": "NixlConnector",
-                                                                  "kv_role": "kv_consumer"})
+    config = make_config(
+        tiny_model("llama"),
+        kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_consumer"},
+    )
     kv = config.kv_transfer_config
     assert kv.transport == "nixl" and kv.kv_lease_duration == 30.0
     assert kv.kv_load_failure_policy == "fail" and kv.enforce_handshake_compat

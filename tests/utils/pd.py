@@ -12,21 +12,43 @@ from tests.utils.server import MetricsReader, RemoteServer
 
 
 def kv_transfer_config(role: str, transport: str = "nixl", **extra: Any) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"transport": transport, **extra}})
+    return json.dumps(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"transport": transport, **extra},
+        }
+    )
 
 
-def start_instance(model: str, role: str, transport: str = "nixl", tp: int = 1, runner: str | None = None,
-                   extra_args: list[str] | None = None, host: str = "127.0.0.1",
-                   prefix: list[str] | None = None, **extra: Any) -> RemoteServer:
+def start_instance(
+    model: str,
+    role: str,
+    transport: str = "nixl",
+    tp: int = 1,
+    runner: str | None = None,
+    extra_args: list[str] | None = None,
+    host: str = "127.0.0.1",
+    prefix: list[str] | None = None,
+    **extra: Any,
+) -> RemoteServer:
     """One instance with its own side-channel port; `runner` "0"/"1" forces runner V1/V2;
     `host` is its HTTP and side-channel address, `prefix` wraps its command (a netns)."""
     env = {"PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port()), "PDSERVE_SIDE_CHANNEL_HOST": host}
     if runner is not None:
         env["PDSERVE_USE_V2_MODEL_RUNNER"] = runner
-    args = ["serve", "--model", model, "--dtype", "float32", "--kv-transfer-config",
-            kv_transfer_config(role, transport, **extra), "--tensor-parallel-size", str(tp),
-            *(extra_args or [])]
+    args = [
+        "serve",
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--kv-transfer-config",
+        kv_transfer_config(role, transport, **extra),
+        "--tensor-parallel-size",
+        str(tp),
+        *(extra_args or []),
+    ]
     if tp > 1:
         args += ["--distributed-executor-backend", "mp"]
     server = RemoteServer(args, env=env, host=host, prefix=prefix)
@@ -34,9 +56,16 @@ def start_instance(model: str, role: str, transport: str = "nixl", tp: int = 1, 
     return server
 
 
-def prefill(prefill_server: RemoteServer, body: dict[str, Any], endpoint: str = "completions") -> dict[str, Any]:
+def prefill(
+    prefill_server: RemoteServer, body: dict[str, Any], endpoint: str = "completions"
+) -> dict[str, Any]:
     """The proxy's first hop: one token, and the prefill instance holds the KV for a reader."""
-    hop = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    hop = {
+        **body,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     hop.pop("max_completion_tokens", None)
     resp = httpx.post(f"{prefill_server.url}/v1/{endpoint}", json=hop, timeout=120)
     resp.raise_for_status()
@@ -45,17 +74,27 @@ def prefill(prefill_server: RemoteServer, body: dict[str, Any], endpoint: str = 
     return params
 
 
-def split_request(prefill_server: RemoteServer, decode_server: RemoteServer, body: dict[str, Any],
-                  endpoint: str = "completions") -> httpx.Response:
+def split_request(
+    prefill_server: RemoteServer,
+    decode_server: RemoteServer,
+    body: dict[str, Any],
+    endpoint: str = "completions",
+) -> httpx.Response:
     params = prefill(prefill_server, body, endpoint)
-    return httpx.post(f"{decode_server.url}/v1/{endpoint}", json={**body, "kv_transfer_params": params},
-                      timeout=120)
+    return httpx.post(
+        f"{decode_server.url}/v1/{endpoint}",
+        json={**body, "kv_transfer_params": params},
+        timeout=120,
+    )
 
 
 def instances(proxy: RemoteServer) -> dict[str, list[MetricsReader]]:
     """Metric readers for the instances behind a proxy (their URLs from its /health)."""
     health = httpx.get(f"{proxy.url}/health", timeout=10).json()
-    return {role: [MetricsReader(item["url"]) for item in health[role]] for role in ("prefill", "decode")}
+    return {
+        role: [MetricsReader(item["url"]) for item in health[role]]
+        for role in ("prefill", "decode")
+    }
 
 
 def wait_all_pools_full(proxy: RemoteServer, timeout: float = 60) -> None:

@@ -50,9 +50,9 @@ class MetricsReader:
         text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
         wanted = [f'{k}="{v}"' for k, v in labels.items()]
         for line in text.splitlines():
-            if (line.startswith(f"pdserve:{name}{{") or line.startswith(f"pdserve:{name} ")) and all(
-                w in line for w in wanted
-            ):
+            if (
+                line.startswith(f"pdserve:{name}{{") or line.startswith(f"pdserve:{name} ")
+            ) and all(w in line for w in wanted):
                 return float(line.rsplit(" ", 1)[1])
         if labels:
             return 0.0
@@ -71,20 +71,41 @@ class MetricsReader:
 class RemoteServer(MetricsReader):
     """`RemoteServer(["serve", "--model", m, ...])` runs `pdserve <args> --port <free port>`."""
 
-    def __init__(self, args: list[str], startup_timeout: float = 240.0, env: dict[str, str] | None = None,
-                 api_key: str | None = None, host: str = "127.0.0.1", prefix: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        startup_timeout: float = 240.0,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        prefix: list[str] | None = None,
+    ) -> None:
         """`prefix` runs the command under another (e.g. `ip netns exec NS`); `host` is where
         the server listens and is reached."""
         self.port = get_open_port()
-        super().__init__(f"http://{host}:{self.port}", {"Authorization": f"Bearer {api_key}"} if api_key else None)
+        super().__init__(
+            f"http://{host}:{self.port}",
+            {"Authorization": f"Bearer {api_key}"} if api_key else None,
+        )
         args = [*args, "--api-key", api_key] if api_key else args
         if host != "127.0.0.1":
             args = [*args, "--host", host]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-test-{self.port}.log"
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", "pdserve.entrypoints.cli", *args, "--port", str(self.port)],
-            cwd=_REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            [
+                *(prefix or []),
+                sys.executable,
+                "-m",
+                "pdserve.entrypoints.cli",
+                *args,
+                "--port",
+                str(self.port),
+            ],
+            cwd=_REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
         self.all_pids: list[int] = [self.proc.pid]
         try:
@@ -112,12 +133,20 @@ class RemoteServer(MetricsReader):
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def client(self, **kwargs: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "none"),
-                             max_retries=0, **kwargs)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1",
+            api_key=kwargs.pop("api_key", "none"),
+            max_retries=0,
+            **kwargs,
+        )
 
     def async_client(self, **kwargs: object) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "none"),
-                                  max_retries=0, **kwargs)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1",
+            api_key=kwargs.pop("api_key", "none"),
+            max_retries=0,
+            **kwargs,
+        )
 
     def stop(self, timeout: float = 30.0) -> list[int]:
         """SIGTERM, then SIGKILL; returns the processes (this one and below) still alive."""

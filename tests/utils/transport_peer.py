@@ -26,8 +26,15 @@ def kv_pattern(num_blocks: int, block_len: int, seed: int) -> torch.Tensor:
     return (words * 0x1E3779B97F4A7C15).view(torch.uint8)
 
 
-def _serve(conn: Connection, backend: str, name: str, num_blocks: int, block_len: int,
-           seed: int, timeout_s: float) -> None:
+def _serve(
+    conn: Connection,
+    backend: str,
+    name: str,
+    num_blocks: int,
+    block_len: int,
+    seed: int,
+    timeout_s: float,
+) -> None:
     from pdserve.kv_connector.transport import Desc, XferState, make_transport
 
     logging.basicConfig(level=logging.WARNING)
@@ -69,12 +76,20 @@ def _serve(conn: Connection, backend: str, name: str, num_blocks: int, block_len
 class PeerProcess:
     """One child transport; `close()` stops it (politely, then by SIGKILL) and reaps it."""
 
-    def __init__(self, backend: str, name: str, num_blocks: int, block_len: int, seed: int = 1,
-                 timeout_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        backend: str,
+        name: str,
+        num_blocks: int,
+        block_len: int,
+        seed: int = 1,
+        timeout_s: float = 3.0,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_serve, args=(child_conn, backend, name, num_blocks, block_len, seed, timeout_s),
+            target=_serve,
+            args=(child_conn, backend, name, num_blocks, block_len, seed, timeout_s),
             daemon=True,
         )
         self.proc.start()

@@ -39,7 +39,9 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def with_cancellation(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | None:
+async def with_cancellation(
+    request: Request, work: Awaitable[dict[str, Any]]
+) -> dict[str, Any] | None:
     """Run a non-streaming handler; if the client goes away first, cancel it (which aborts)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_until_disconnected(request))
@@ -52,8 +54,9 @@ async def with_cancellation(request: Request, work: Awaitable[dict[str, Any]]) -
     return None
 
 
-def build_app(engine: AsyncLLM, model_name: str, api_key: str | None,
-              max_pending_requests: int | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM, model_name: str, api_key: str | None, max_pending_requests: int | None = None
+) -> FastAPI:
     serving = OpenAIServing(engine, model_name, max_pending_requests)
 
     @asynccontextmanager
@@ -64,8 +67,14 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None,
     app = FastAPI(lifespan=lifespan)
 
     @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if api_key and request.url.path != "/health" and request.headers.get("Authorization") != f"Bearer {api_key}":
+    async def authenticate(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if (
+            api_key
+            and request.url.path != "/health"
+            and request.headers.get("Authorization") != f"Bearer {api_key}"
+        ):
             return error_response(OpenAIError(401, "Invalid or missing API key."))
         return await call_next(request)
 
@@ -103,8 +112,12 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None,
         # The proxy sends one X-Request-Id through both hops of a split request.
         return request.headers.get("X-Request-Id") or uuid.uuid4().hex
 
-    async def respond(request: Request, stream: bool, full: Callable[[], Awaitable[dict]],
-                      chunks: Callable[[], AsyncIterator[str]]) -> Response:
+    async def respond(
+        request: Request,
+        stream: bool,
+        full: Callable[[], Awaitable[dict]],
+        chunks: Callable[[], AsyncIterator[str]],
+    ) -> Response:
         if stream:
             iterator = chunks()
             # The first chunk is produced here, so a bad request is still a 400, not a stream.
@@ -118,7 +131,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None,
             return Response(status_code=499)
         return JSONResponse(body)
 
-    async def refusing(body: CompletionRequest | ChatCompletionRequest, rid: str, work: Awaitable[Response]) -> Response:
+    async def refusing(
+        body: CompletionRequest | ChatCompletionRequest, rid: str, work: Awaitable[Response]
+    ) -> Response:
         try:
             return await work
         except OpenAIError as e:
@@ -129,19 +144,39 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         rid = request_id_of(request)
-        return await refusing(body, rid, respond(request, body.stream, lambda: serving.completion(body, rid),
-                                                 lambda: serving.completion_stream(body, rid)))
+        return await refusing(
+            body,
+            rid,
+            respond(
+                request,
+                body.stream,
+                lambda: serving.completion(body, rid),
+                lambda: serving.completion_stream(body, rid),
+            ),
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         rid = request_id_of(request)
-        return await refusing(body, rid, respond(request, body.stream, lambda: serving.chat(body, rid),
-                                                 lambda: serving.chat_stream(body, rid)))
+        return await refusing(
+            body,
+            rid,
+            respond(
+                request,
+                body.stream,
+                lambda: serving.chat(body, rid),
+                lambda: serving.chat_stream(body, rid),
+            ),
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "owned_by": "pdserve",
-                "max_model_len": serving.max_model_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "owned_by": "pdserve",
+            "max_model_len": serving.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -177,16 +212,28 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require this bearer token (or PDSERVE_API_KEY)")
-    parser.add_argument("--max-pending-requests", type=int, default=None,
-                        help="answer 503 beyond this many requests in flight (default: no limit)")
+    parser.add_argument(
+        "--api-key", default=None, help="require this bearer token (or PDSERVE_API_KEY)"
+    )
+    parser.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=None,
+        help="answer 503 beyond this many requests in flight (default: no limit)",
+    )
 
 
 def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     engine = AsyncLLM.from_engine_args(**engine_args)
-    app = build_app(engine, engine.config.model_config.name, args.api_key or envs.api_key(), args.max_pending_requests)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=5)
+    app = build_app(
+        engine,
+        engine.config.model_config.name,
+        args.api_key or envs.api_key(),
+        args.max_pending_requests,
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+    )
     server = uvicorn.Server(config)
     try:
         server.run()

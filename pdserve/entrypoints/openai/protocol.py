@@ -36,7 +36,9 @@ def check_kv_transfer_params(params: dict[str, Any]) -> dict[str, Any]:
         if key == "remote_block_ids" and not all(
             isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value
         ):
-            raise ValueError("kv_transfer_params.remote_block_ids must be a list of non-negative ints")
+            raise ValueError(
+                "kv_transfer_params.remote_block_ids must be a list of non-negative ints"
+            )
     return params
 
 
@@ -76,15 +78,29 @@ class _SamplingRequest(BaseModel):
         """Raises ValueError (its message starts with the field name) for an invalid value."""
         set_fields = {
             name: getattr(self, name)
-            for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                         "frequency_penalty", "repetition_penalty")
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
             if getattr(self, name) is not None
         }
         return SamplingParams(
-            n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, **set_fields,
+            n=self.n,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            **set_fields,
         )
 
 
@@ -112,7 +128,9 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(
+                part.get("text", "") for part in self.content if part.get("type") == "text"
+            )
         return self.content or ""
 
 

@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 Prompt = str | dict[str, Any]
 
 
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several prompts' output streams as they come; closing this closes them all."""
     if len(streams) == 1:
         async for item in streams[0]:
@@ -68,11 +70,21 @@ class OpenAIServing:
 
     def check_capacity(self) -> None:
         if self.engine.dead_reason is not None:
-            raise OpenAIError(503, f"The engine is not available: {self.engine.dead_reason}",
-                              "ServiceUnavailableError")
-        if self.max_pending_requests is not None and self.engine.num_in_flight >= self.max_pending_requests:
-            raise OpenAIError(503, f"The server is overloaded ({self.engine.num_in_flight} requests "
-                              "in flight); retry later.", "ServiceUnavailableError")
+            raise OpenAIError(
+                503,
+                f"The engine is not available: {self.engine.dead_reason}",
+                "ServiceUnavailableError",
+            )
+        if (
+            self.max_pending_requests is not None
+            and self.engine.num_in_flight >= self.max_pending_requests
+        ):
+            raise OpenAIError(
+                503,
+                f"The server is overloaded ({self.engine.num_in_flight} requests "
+                "in flight); retry later.",
+                "ServiceUnavailableError",
+            )
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         try:
@@ -81,40 +93,57 @@ class OpenAIServing:
             raise OpenAIError(400, str(e), param="prompt") from None
 
     def sampling_params(
-        self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-        logprobs: int | None, num_prompt_tokens: int,
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        num_prompt_tokens: int,
     ) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is not None and max_tokens > room:
             raise OpenAIError(
-                400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                f"prompt, {max_tokens} in the completion).", param="max_tokens")
+                f"prompt, {max_tokens} in the completion).",
+                param="max_tokens",
+            )
         try:
             return req.to_sampling_params(room if max_tokens is None else max_tokens, logprobs)
         except ValueError as e:
             raise OpenAIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
     def generate(
-        self, prompts: list[tuple[Prompt, SamplingParams]], request_id: str, kv_transfer_params: dict | None,
+        self,
+        prompts: list[tuple[Prompt, SamplingParams]],
+        request_id: str,
+        kv_transfer_params: dict | None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         self.check_capacity()
         streams = [
-            self.engine.generate(prompt, params, request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                 kv_transfer_params)
+            self.engine.generate(
+                prompt,
+                params,
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                kv_transfer_params,
+            )
             for i, (prompt, params) in enumerate(prompts)
         ]
         return _raising_on_error(merge(streams))
 
     # ---- completions -----------------------------------------------------------------------
 
-    async def release_if_rejected(self, req: CompletionRequest | ChatCompletionRequest, request_id: str) -> None:
+    async def release_if_rejected(
+        self, req: CompletionRequest | ChatCompletionRequest, request_id: str
+    ) -> None:
         """Called when the request is refused here: a prefill instance may hold its KV."""
         if req.kv_transfer_params and self.engine.dead_reason is None:
             try:
                 await self.engine.release_remote_kv(request_id, req.kv_transfer_params)
             except (asyncio.TimeoutError, RuntimeError) as e:  # the lease still frees them
-                logger.warning("Could not release the remote KV of rejected request %s: %s", request_id, e)
+                logger.warning(
+                    "Could not release the remote KV of rejected request %s: %s", request_id, e
+                )
 
     def prepare_completion(self, req: CompletionRequest) -> list[tuple[Prompt, SamplingParams]]:
         self.check_model(req.model)
@@ -132,19 +161,30 @@ class OpenAIServing:
             finals[i] = out
         choices = [
             self._completion_choice(i * req.n + c.index, c, c.text)
-            for i in sorted(finals) for c in finals[i].outputs
+            for i in sorted(finals)
+            for c in finals[i].outputs
         ]
         return {
-            "id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": usage(finals.values()),
+            "id": f"cmpl-{request_id}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(finals.values()),
             "kv_transfer_params": _first_kv_params(finals.values()),
         }
 
-    async def completion_stream(self, req: CompletionRequest, request_id: str) -> AsyncIterator[str]:
+    async def completion_stream(
+        self, req: CompletionRequest, request_id: str
+    ) -> AsyncIterator[str]:
         prompts = self.prepare_completion(req)
         stream = self.generate(prompts, request_id, req.kv_transfer_params)
-        head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
+        head = {
+            "id": f"cmpl-{request_id}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
         finals: dict[int, RequestOutput] = {}
         async for i, out in _reporting_errors(stream):
@@ -164,7 +204,9 @@ class OpenAIServing:
             yield sse({**head, "choices": [], "usage": usage(finals.values())})
         yield "data: [DONE]\n\n"
 
-    def _completion_choice(self, index: int, c: CompletionOutput, text: str, first_token: int = 0) -> dict:
+    def _completion_choice(
+        self, index: int, c: CompletionOutput, text: str, first_token: int = 0
+    ) -> dict:
         logprobs = None
         if c.logprobs is not None:
             tokens, token_logprobs, top = [], [], []
@@ -172,10 +214,20 @@ class OpenAIServing:
                 tokens.append(entry[tid].decoded_token)
                 token_logprobs.append(entry[tid].logprob)
                 top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
-            logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                        "text_offset": []}
-        return {"index": index, "text": text, "logprobs": logprobs, "token_ids": c.token_ids[first_token:],
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            logprobs = {
+                "tokens": tokens,
+                "token_logprobs": token_logprobs,
+                "top_logprobs": top,
+                "text_offset": [],
+            }
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "token_ids": c.token_ids[first_token:],
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
 
     # ---- chat ------------------------------------------------------------------------------
 
@@ -186,9 +238,16 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from None
         _, token_ids = self.tokenize({"prompt_token_ids": token_ids})
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return [({"prompt_token_ids": token_ids}, self.sampling_params(req, max_tokens, top, len(token_ids)))]
+        return [
+            (
+                {"prompt_token_ids": token_ids},
+                self.sampling_params(req, max_tokens, top, len(token_ids)),
+            )
+        ]
 
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         prompts = self.prepare_chat(req)
@@ -197,25 +256,40 @@ class OpenAIServing:
             pass
         assert final is not None
         choices = [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text}, "token_ids": c.token_ids,
-             "logprobs": self._chat_logprobs(c, 0, req.top_logprobs or 0), "finish_reason": c.finish_reason,
-             "stop_reason": c.stop_reason}
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "token_ids": c.token_ids,
+                "logprobs": self._chat_logprobs(c, 0, req.top_logprobs or 0),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
             for c in final.outputs
         ]
         return {
-            "id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": usage([final]),
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage([final]),
             "kv_transfer_params": final.kv_transfer_params,
         }
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
         prompts = self.prepare_chat(req)
         stream = self.generate(prompts, request_id, req.kv_transfer_params)
-        head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": self.model_name}
+        head = {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         for index in range(req.n):
             delta = {"role": "assistant", "content": ""}
-            yield sse({**head, "choices": [{"index": index, "delta": delta, "finish_reason": None}]})
+            yield sse(
+                {**head, "choices": [{"index": index, "delta": delta, "finish_reason": None}]}
+            )
         sent: dict[int, tuple[int, int]] = {}
         final: RequestOutput | None = None
         async for _, out in _reporting_errors(stream):
@@ -228,8 +302,13 @@ class OpenAIServing:
                 if len(c.token_ids) == tokens and c.finish_reason is None:
                     continue
                 sent[c.index] = (len(c.text), len(c.token_ids))
-                choice = {"index": c.index, "delta": {"content": c.text[chars:]}, "token_ids": c.token_ids[tokens:],
-                          "logprobs": self._chat_logprobs(c, tokens, req.top_logprobs or 0), "finish_reason": c.finish_reason}
+                choice = {
+                    "index": c.index,
+                    "delta": {"content": c.text[chars:]},
+                    "token_ids": c.token_ids[tokens:],
+                    "logprobs": self._chat_logprobs(c, tokens, req.top_logprobs or 0),
+                    "finish_reason": c.finish_reason,
+                }
                 yield sse({**head, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage and final is not None:
             yield sse({**head, "choices": [], "usage": usage([final])})
@@ -248,8 +327,12 @@ class OpenAIServing:
         for tid, entry in zip(c.token_ids[first_token:], c.logprobs[first_token:]):
             # The sampled token is in the entry even when it is not among the top ones.
             top = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num_top]
-            content.append({**item(entry[tid].decoded_token, entry[tid].logprob),
-                            "top_logprobs": [item(lp.decoded_token, lp.logprob) for lp in top]})
+            content.append(
+                {
+                    **item(entry[tid].decoded_token, entry[tid].logprob),
+                    "top_logprobs": [item(lp.decoded_token, lp.logprob) for lp in top],
+                }
+            )
         return {"content": content}
 
 
@@ -260,7 +343,11 @@ def sse(payload: dict[str, Any]) -> str:
 def usage(outputs: Any) -> dict[str, int]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _first_kv_params(outputs: Any) -> dict | None:

@@ -32,11 +32,15 @@ class NixlConnector(KVConnectorBase):
 
     # ---- scheduler role ---------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: list["KVCacheBlock"], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: "Request", blocks: list["KVCacheBlock"], num_external_tokens: int
+    ) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -44,7 +48,9 @@ class NixlConnector(KVConnectorBase):
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta()
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
 

@@ -46,7 +46,9 @@ class HandshakeServer:
             ) from None
         self._stop = threading.Event()
         self._decoder = msgspec.msgpack.Decoder(HandshakeRequest)
-        self._thread = threading.Thread(target=self._serve, name="pdserve-side-channel", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name="pdserve-side-channel", daemon=True
+        )
         self._thread.start()
         logger.info("KV side channel listening on %s:%d", host, self.port)
 
@@ -63,7 +65,9 @@ class HandshakeServer:
                 tp_rank = self._decoder.decode(request).tp_rank
                 payload = self.payloads[tp_rank]
             except (msgspec.DecodeError, KeyError, IndexError) as e:
-                logger.warning("Dropped a malformed handshake request (%d frames): %s", len(frames), e)
+                logger.warning(
+                    "Dropped a malformed handshake request (%d frames): %s", len(frames), e
+                )
                 continue
             self.socket.send_multipart([identity, b"", payload])
 
@@ -75,7 +79,12 @@ class HandshakeServer:
 
 
 def fetch_agent_metadata(
-    host: str, port: int, tp_rank: int, expected_hash: str | None, expected_engine_id: str, timeout_s: float,
+    host: str,
+    port: int,
+    tp_rank: int,
+    expected_hash: str | None,
+    expected_engine_id: str,
+    timeout_s: float,
 ) -> AgentMetadata:
     """Ask a prefill instance for one rank's metadata; raises HandshakeError on any failure."""
     ctx = zmq.Context.instance()
@@ -89,7 +98,9 @@ def fetch_agent_metadata(
         socket.send(msgspec.msgpack.encode(HandshakeRequest(tp_rank)))
         reply = socket.recv()
     except zmq.Again:
-        raise HandshakeError(f"KV handshake with {where}: no answer within {timeout_s:.1f} s.") from None
+        raise HandshakeError(
+            f"KV handshake with {where}: no answer within {timeout_s:.1f} s."
+        ) from None
     except zmq.ZMQError as e:
         raise HandshakeError(f"KV handshake with {where} failed: {e}") from None
     finally:

@@ -71,10 +71,25 @@ class Notif(msgspec.Struct, array_like=True):
 
 
 def compatibility_hash(
-    architecture: str, dtype: str, total_num_kv_heads: int, head_dim: int, num_layers: int,
-    block_size: int, transport: str,
+    architecture: str,
+    dtype: str,
+    total_num_kv_heads: int,
+    head_dim: int,
+    num_layers: int,
+    block_size: int,
+    transport: str,
 ) -> str:
     """Both sides of a transfer must agree on all of these, or the bytes mean nothing."""
-    factors = (pdserve.__version__, NIXL_CONNECTOR_VERSION, KV_LAYOUT, architecture, dtype,
-               total_num_kv_heads, head_dim, num_layers, block_size, transport)
+    factors = (
+        pdserve.__version__,
+        NIXL_CONNECTOR_VERSION,
+        KV_LAYOUT,
+        architecture,
+        dtype,
+        total_num_kv_heads,
+        head_dim,
+        num_layers,
+        block_size,
+        transport,
+    )
     return hashlib.sha256(repr(factors).encode()).hexdigest()[:32]

@@ -16,7 +16,13 @@ from pdserve.scheduler.block_pool import KVCacheBlock
 
 logger = logging.getLogger(__name__)
 
-_REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+_REMOTE_FIELDS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+)
 
 
 def _has_remote_fields(params: dict[str, Any]) -> bool:
@@ -36,7 +42,9 @@ class NixlConnectorScheduler:
         self._reqs_need_recv: dict[str, RecvReqMeta] = {}
         self._reqs_need_send: dict[str, float] = {}
         # Decode side: requests waiting for their read, by remote engine (for heartbeats).
-        self._awaited: dict[str, tuple[str, str]] = {}  # request id -> (engine id, remote request id)
+        self._awaited: dict[
+            str, tuple[str, str]
+        ] = {}  # request id -> (engine id, remote request id)
         # Decode side: reads (empty ones too) the workers have not reported done. Unlike
         # heartbeats they outlive an abort: the blocks stay held, and the engine must keep
         # polling the workers, until the read ends.
@@ -50,7 +58,9 @@ class NixlConnectorScheduler:
     def set_xfer_handshake_metadata(self, metadata: dict[int, bytes]) -> None:
         self.server = HandshakeServer(self.side_channel_host, self.side_channel_port, metadata)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         params = request.kv_transfer_params
         # Without every remote field no read can start (update_state_after_alloc warns): the
         # request prefills here rather than wait for KV that never comes.
@@ -60,24 +70,38 @@ class NixlConnectorScheduler:
                 return count, True
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int
+    ) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
         if not _has_remote_fields(params):
             missing = [f for f in _REMOTE_FIELDS if params.get(f) is None]
-            logger.warning("Request %s: kv_transfer_params lack %s; it prefills locally.",
-                           request.request_id, ", ".join(missing))
+            logger.warning(
+                "Request %s: kv_transfer_params lack %s; it prefills locally.",
+                request.request_id,
+                ", ".join(missing),
+            )
         else:
             # Blocks a local prefix hit filled are hashed; the rest wait for the remote bytes.
             # A full local hit reads nothing but must still tell the prefill side to free.
-            local = [b.block_id for b in blocks if b.block_hash is None] if num_external_tokens else []
+            local = (
+                [b.block_id for b in blocks if b.block_hash is None] if num_external_tokens else []
+            )
             self._reqs_need_recv[request.request_id] = RecvReqMeta(
-                local, list(params["remote_block_ids"]), params["remote_engine_id"],
-                params["remote_request_id"], params["remote_host"], int(params["remote_port"]),
+                local,
+                list(params["remote_block_ids"]),
+                params["remote_engine_id"],
+                params["remote_request_id"],
+                params["remote_host"],
+                int(params["remote_port"]),
                 int(params.get("tp_size") or 1),
             )
-            self._awaited[request.request_id] = (params["remote_engine_id"], params["remote_request_id"])
+            self._awaited[request.request_id] = (
+                params["remote_engine_id"],
+                params["remote_request_id"],
+            )
             self._reading.add(request.request_id)
         # One transfer per request, also after a preemption.
         params["do_remote_prefill"] = False
@@ -97,14 +121,20 @@ class NixlConnectorScheduler:
         instance will never read them (aborted before admission, or rejected by the server)."""
         if _has_remote_fields(params):
             self._reqs_need_recv[request_id] = RecvReqMeta(
-                [], list(params["remote_block_ids"]), params["remote_engine_id"],
-                params["remote_request_id"], params["remote_host"], int(params["remote_port"]),
+                [],
+                list(params["remote_block_ids"]),
+                params["remote_engine_id"],
+                params["remote_request_id"],
+                params["remote_host"],
+                int(params["remote_port"]),
                 int(params.get("tp_size") or 1),
             )
             self._reading.add(request_id)
         params["do_remote_prefill"] = False
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self._awaited.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not params:
@@ -115,18 +145,25 @@ class NixlConnectorScheduler:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
             return False, None  # aborted: nobody will read
         delay = len(block_ids) > 0
         if delay:
             self._reqs_need_send[request.request_id] = time.time() + self.lease_duration
             self._sending.add(request.request_id)
         return delay, {
-            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(block_ids),
-            "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(block_ids),
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
             "remote_host": self.side_channel_host,
             "remote_port": self.server.port if self.server else self.side_channel_port,
-            "tp_size": self.tp_size, "remote_num_tokens": request.num_computed_tokens,
+            "tp_size": self.tp_size,
+            "remote_num_tokens": request.num_computed_tokens,
         }
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

@@ -27,7 +27,9 @@ class RemoteEngine:
 
 
 class Topology:
-    def __init__(self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, transport: Transport) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, transport: Transport
+    ) -> None:
         self.kv_cache = kv_cache
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -52,18 +54,30 @@ class Topology:
 
     def check_compatible(self, remote: AgentMetadata, remote_tp: int) -> None:
         cache = self.kv_cache
-        mine = {"block_size": cache.shape[3], "num_layers": cache.shape[1], "head_dim": cache.shape[5]}
-        theirs = {"block_size": remote.block_size, "num_layers": remote.num_layers, "head_dim": remote.head_dim}
+        mine = {
+            "block_size": cache.shape[3],
+            "num_layers": cache.shape[1],
+            "head_dim": cache.shape[5],
+        }
+        theirs = {
+            "block_size": remote.block_size,
+            "num_layers": remote.num_layers,
+            "head_dim": remote.head_dim,
+        }
         for name, value in mine.items():
             if theirs[name] != value:
-                raise ValueError(f"the prefill instance has {name}={theirs[name]}, this one {value}")
+                raise ValueError(
+                    f"the prefill instance has {name}={theirs[name]}, this one {value}"
+                )
         if remote.num_kv_heads * remote_tp != self.num_kv_heads * self.tp_size:
             raise ValueError(
                 f"KV heads differ: prefill {remote.num_kv_heads} x TP {remote_tp}, decode "
                 f"{self.num_kv_heads} x TP {self.tp_size}"
             )
 
-    def read_target(self, local_ids: list[int], j: int, remote_tp: int, remote_block_len: int) -> tuple[int, list[int]]:
+    def read_target(
+        self, local_ids: list[int], j: int, remote_tp: int, remote_block_len: int
+    ) -> tuple[int, list[int]]:
         """(local region, block indices of `remote_block_len` bytes) for reads from remote rank j."""
         if remote_tp == self.tp_size:
             return 0, local_ids
@@ -89,12 +103,15 @@ class Topology:
         if remote_tp < self.tp_size:
             ratio = self.tp_size // remote_tp
             staging = raw.view(cache.dtype)[: self.num_blocks * per_block].view(
-                self.num_blocks, *cache.shape[1:4], heads * ratio, cache.shape[5])
+                self.num_blocks, *cache.shape[1:4], heads * ratio, cache.shape[5]
+            )
             off = (self.tp_rank % ratio) * heads
-            cache[idx] = staging[idx, :, :, :, off:off + heads]
+            cache[idx] = staging[idx, :, :, :, off : off + heads]
         else:
             k = remote_tp // self.tp_size
             part = heads // k
-            staging = raw.view(cache.dtype).view(k, self.num_blocks, *cache.shape[1:4], part, cache.shape[5])
+            staging = raw.view(cache.dtype).view(
+                k, self.num_blocks, *cache.shape[1:4], part, cache.shape[5]
+            )
             for j in range(k):
-                cache[idx, :, :, :, j * part:(j + 1) * part] = staging[j, idx]
+                cache[idx, :, :, :, j * part : (j + 1) * part] = staging[j, idx]

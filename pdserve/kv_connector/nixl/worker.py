@@ -70,12 +70,22 @@ class NixlConnectorWorker:
         self.transport_name = kv.transport
         self.dtype = str(mc.torch_dtype).removeprefix("torch.")
         self.compat_hash = compatibility_hash(
-            mc.architecture, self.dtype, mc.num_kv_heads, mc.head_dim, mc.num_layers, self.block_size,
+            mc.architecture,
+            self.dtype,
+            mc.num_kv_heads,
+            mc.head_dim,
+            mc.num_layers,
+            self.block_size,
             kv.transport,
         )
         self.expected_hash = self.compat_hash if kv.enforce_handshake_compat else None
-        self.transport = make_transport(kv.transport, f"{self.engine_id}:{tp_rank}",
-                                        envs.side_channel_host(), kv.transfer_timeout, kv.ucx_tls)
+        self.transport = make_transport(
+            kv.transport,
+            f"{self.engine_id}:{tp_rank}",
+            envs.side_channel_host(),
+            kv.transfer_timeout,
+            kv.ucx_tls,
+        )
         self.kv_cache: torch.Tensor | None = None
         self.topology: Topology | None = None
         self._meta = NixlConnectorMetadata()
@@ -104,11 +114,22 @@ class NixlConnectorWorker:
         assert self.kv_cache is not None
         cache = self.kv_cache
         meta = AgentMetadata(
-            self.engine_id, self.tp_rank, self.tp_size, self.transport_name,
-            self.transport.get_agent_metadata(), cache.shape[0], cache[0].nbytes, self.block_size,
-            cache.shape[4], cache.shape[5], cache.shape[1], self.dtype,
+            self.engine_id,
+            self.tp_rank,
+            self.tp_size,
+            self.transport_name,
+            self.transport.get_agent_metadata(),
+            cache.shape[0],
+            cache[0].nbytes,
+            self.block_size,
+            cache.shape[4],
+            cache.shape[5],
+            cache.shape[1],
+            self.dtype,
         )
-        return msgspec.msgpack.encode(HandshakePayload(self.compat_hash, msgspec.msgpack.encode(meta)))
+        return msgspec.msgpack.encode(
+            HandshakePayload(self.compat_hash, msgspec.msgpack.encode(meta))
+        )
 
     # ---- each step --------------------------------------------------------------------------
 
@@ -136,7 +157,9 @@ class NixlConnectorWorker:
             if engine is None:
                 future = self._handshakes.get(meta.remote_engine_id)
                 if future is None:
-                    self._handshakes[meta.remote_engine_id] = self._handshaker.submit(self._handshake, meta)
+                    self._handshakes[meta.remote_engine_id] = self._handshaker.submit(
+                        self._handshake, meta
+                    )
                 continue
             del self._waiting[req_id]
             try:
@@ -150,8 +173,14 @@ class NixlConnectorWorker:
         ranks = self.topology.remote_ranks(meta.remote_tp_size)
         agents = []
         for rank in ranks:
-            remote = fetch_agent_metadata(meta.remote_host, meta.remote_port, rank, self.expected_hash,
-                                          meta.remote_engine_id, self.handshake_timeout)
+            remote = fetch_agent_metadata(
+                meta.remote_host,
+                meta.remote_port,
+                rank,
+                self.expected_hash,
+                meta.remote_engine_id,
+                self.handshake_timeout,
+            )
             self.topology.check_compatible(remote, meta.remote_tp_size)
             agents.append((self.transport.add_remote_agent(remote.agent_metadata), remote))
         return RemoteEngine(meta.remote_engine_id, meta.remote_tp_size, agents)
@@ -159,27 +188,37 @@ class NixlConnectorWorker:
     def _read(self, req_id: str, meta: RecvReqMeta, engine: RemoteEngine) -> None:
         assert self.topology is not None
         local = meta.local_block_ids
-        notif = Notif("done", [meta.remote_request_id], self.topology.readers_per_remote_rank(engine.tp_size))
+        notif = Notif(
+            "done", [meta.remote_request_id], self.topology.readers_per_remote_rank(engine.tp_size)
+        )
         if not local:  # a full local prefix hit, or an abort: the prefill side only needs to free
             self._notify(engine, notif)
             self._done_recving.add(req_id)
             return
         if len(meta.remote_block_ids) < len(local):
-            raise ValueError(f"{len(local)} local blocks to fill but the prefill side has "
-                             f"{len(meta.remote_block_ids)}")
+            raise ValueError(
+                f"{len(local)} local blocks to fill but the prefill side has "
+                f"{len(meta.remote_block_ids)}"
+            )
         # The local prefix hit covers the first blocks: read the last ones.
-        remote = meta.remote_block_ids[len(meta.remote_block_ids) - len(local):]
+        remote = meta.remote_block_ids[len(meta.remote_block_ids) - len(local) :]
         encoded = msgspec.msgpack.encode(notif)
         # Started before posting: the NIXL backend may copy inside read() itself.
         start = time.perf_counter()
         handles, num_bytes, num_descs = [], 0, 0
         for j, (agent, remote_meta) in enumerate(engine.agents):
-            region, targets = self.topology.read_target(local, j, engine.tp_size, remote_meta.block_len)
-            local_descs, remote_descs = block_descs(region, targets, 0, remote, remote_meta.block_len)
+            region, targets = self.topology.read_target(
+                local, j, engine.tp_size, remote_meta.block_len
+            )
+            local_descs, remote_descs = block_descs(
+                region, targets, 0, remote, remote_meta.block_len
+            )
             handles.append(self.transport.read(agent, local_descs, remote_descs, encoded))
             num_bytes += sum(d.length for d in local_descs)
             num_descs += len(local_descs)
-        self._loads[req_id] = _Load(meta, local, handles, engine.tp_size, start, num_bytes, num_descs)
+        self._loads[req_id] = _Load(
+            meta, local, handles, engine.tp_size, start, num_bytes, num_descs
+        )
 
     def _notify(self, engine: RemoteEngine, notif: Notif) -> None:
         msg = msgspec.msgpack.encode(notif)
@@ -204,10 +243,14 @@ class NixlConnectorWorker:
         now = time.time()
         for req_id in [r for r, lease in self._leases.items() if lease.expiry < now]:
             del self._leases[req_id]
-            logger.warning("Releasing the KV blocks of request %s: its lease expired unread.", req_id)
+            logger.warning(
+                "Releasing the KV blocks of request %s: its lease expired unread.", req_id
+            )
             self._count("expired_leases")
             self._done_sending.add(req_id)
-        for req_id in [r for r, (_, seen) in self._early_reads.items() if seen < now - self.lease_duration]:
+        for req_id in [
+            r for r, (_, seen) in self._early_reads.items() if seen < now - self.lease_duration
+        ]:
             # Its lease never came (aborted here before it finished): forget it.
             del self._early_reads[req_id]
             self._readers_needed.pop(req_id, None)
@@ -270,7 +313,11 @@ class NixlConnectorWorker:
             for handle in load.handles:
                 self.transport.release(handle)
             if XferState.ERROR in states:
-                logger.error("KV load of request %s from engine %s failed.", req_id, load.meta.remote_engine_id)
+                logger.error(
+                    "KV load of request %s from engine %s failed.",
+                    req_id,
+                    load.meta.remote_engine_id,
+                )
                 self._fail(req_id, load.local_block_ids, "failed_transfers")
                 continue
             self.topology.finish(load.local_block_ids, load.remote_tp)

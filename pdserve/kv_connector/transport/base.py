@@ -159,7 +159,10 @@ BACKENDS = ("nixl", "ucx")
 
 
 def make_transport(
-    name: str, agent_name: str, host: str = "127.0.0.1", timeout_s: float = 10.0,
+    name: str,
+    agent_name: str,
+    host: str = "127.0.0.1",
+    timeout_s: float = 10.0,
     ucx_tls: str | None = None,
 ) -> Transport:
     """The transport `name` ("nixl" or "ucx"); its library is imported only when chosen.

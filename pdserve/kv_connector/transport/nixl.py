@@ -168,8 +168,12 @@ class NixlTransport(Transport):
             logger.warning("NIXL READ %d from %s failed: %s", handle, xfer.remote_agent, e)
             xfer.state = XferState.ERROR
         if xfer.state is XferState.PENDING and time.monotonic() - xfer.started > self.timeout_s:
-            logger.warning("NIXL READ %d from %s timed out after %.1f s",
-                           handle, xfer.remote_agent, self.timeout_s)
+            logger.warning(
+                "NIXL READ %d from %s timed out after %.1f s",
+                handle,
+                xfer.remote_agent,
+                self.timeout_s,
+            )
             xfer.state = XferState.ERROR
         return xfer.state
 

@@ -289,8 +289,12 @@ class Service:
             self._closed_eps.append(peer.ep)
             peer.ep = None
 
-    def _post(self, op: Callable[[Array, ucx_api.UCXXTag], ucx_api.UCXRequest], descs: list[Desc],
-              handle: int) -> list[ucx_api.UCXRequest]:
+    def _post(
+        self,
+        op: Callable[[Array, ucx_api.UCXXTag], ucx_api.UCXRequest],
+        descs: list[Desc],
+        handle: int,
+    ) -> list[ucx_api.UCXRequest]:
         """One tag operation per descriptor, straight on registered memory: the hot loop."""
         views, tag, base = self.shared.views, ucx_api.UCXXTag, wire.data_tag(handle, 0)
         return [

@@ -17,7 +17,9 @@ class ModelRunnerV1(ModelRunnerBase):
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         super().__init__(config, device, use_sampling_kernels=False)
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)
+        self.input_batch = InputBatch(
+            self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req
+        )
         self.logits_processors = self.model_config.logits_processors
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -72,7 +74,9 @@ class ModelRunnerV1(ModelRunnerBase):
         num_scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         req_indices = np.repeat(np.arange(n), num_scheduled)
         cu_num_scheduled = np.cumsum(num_scheduled)
-        offsets = np.arange(cu_num_scheduled[-1]) - np.repeat(cu_num_scheduled - num_scheduled, num_scheduled)
+        offsets = np.arange(cu_num_scheduled[-1]) - np.repeat(
+            cu_num_scheduled - num_scheduled, num_scheduled
+        )
         positions = batch.num_computed_tokens[req_indices] + offsets
         input_ids = batch.token_ids[req_indices, positions]
         seq_lens = batch.num_computed_tokens[:n] + num_scheduled
@@ -83,8 +87,14 @@ class ModelRunnerV1(ModelRunnerBase):
             return torch.from_numpy(a).to(self.device)
 
         inputs = build_step_inputs(
-            to_dev(input_ids), to_dev(positions), to_dev(req_indices), to_dev(num_scheduled),
-            to_dev(seq_lens), to_dev(batch.block_table[:n]), self.block_size, to_dev(sampling_rows),
+            to_dev(input_ids),
+            to_dev(positions),
+            to_dev(req_indices),
+            to_dev(num_scheduled),
+            to_dev(seq_lens),
+            to_dev(batch.block_table[:n]),
+            self.block_size,
+            to_dev(sampling_rows),
         )
         sampling_req_ids = [req_ids[i] for i in sampling_rows]
         rows = [self._sampling_row(self.requests[r]) for r in sampling_req_ids]
@@ -93,7 +103,9 @@ class ModelRunnerV1(ModelRunnerBase):
         for row, req_id, token in zip(sampling_rows.tolist(), sampling_req_ids, sampled):
             self.requests[req_id].output_token_ids.append(token)
             batch.append_token(row, token)
-        return self.make_output(req_ids, dict(zip(sampling_req_ids, sampled)), logprobs, sampling_req_ids)
+        return self.make_output(
+            req_ids, dict(zip(sampling_req_ids, sampled)), logprobs, sampling_req_ids
+        )
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(

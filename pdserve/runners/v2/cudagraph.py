@@ -55,7 +55,9 @@ def batch_descriptors(max_num_seqs: int, max_num_batched_tokens: int) -> list[Ba
     decode = capture_sizes(min(max_num_seqs, max_num_batched_tokens))
     mixed = capture_sizes(min(MAX_MIXED_CAPTURE_TOKENS, max_num_batched_tokens))
     return [BatchDescriptor(n, True) for n in decode] + [
-        BatchDescriptor(n, False) for n in mixed if n > 1  # a mixed step has two tokens or more
+        BatchDescriptor(n, False)
+        for n in mixed
+        if n > 1  # a mixed step has two tokens or more
     ]
 
 
@@ -131,7 +133,9 @@ class StaticInputs:
         self.block_table[:num_reqs, width:].zero_()
         self.block_table[num_reqs:padded].zero_()
         return StepInputs(
-            self.input_ids[:padded], self.positions[:padded], self.metadata(desc),
+            self.input_ids[:padded],
+            self.positions[:padded],
+            self.metadata(desc),
             inputs.logits_indices,
         )
 

@@ -39,8 +39,10 @@ class ModelRunnerV2(ModelRunnerBase):
             sched = self.config.scheduler_config
             descriptors = batch_descriptors(sched.max_num_seqs, sched.max_num_batched_tokens)
             static = StaticInputs(
-                max(d.num_tokens for d in descriptors), self.max_num_blocks_per_req,
-                self.max_model_len, self.device,
+                max(d.num_tokens for d in descriptors),
+                self.max_num_blocks_per_req,
+                self.max_model_len,
+                self.device,
             )
             self.cudagraphs = CudaGraphModel(self.model, static, descriptors)
             self.cudagraphs.capture(self.kv_caches)
@@ -103,7 +105,9 @@ class ModelRunnerV2(ModelRunnerBase):
         sampled, logprobs = self.forward_and_sample(inputs, rows)
         if sampled:
             states.append_sampled(sampling_idx, sampled)
-        return self.make_output(req_ids, dict(zip(sampling_req_ids, sampled)), logprobs, sampling_req_ids)
+        return self.make_output(
+            req_ids, dict(zip(sampling_req_ids, sampled)), logprobs, sampling_req_ids
+        )
 
     def _prepare_inputs(
         self,
@@ -125,10 +129,18 @@ class ModelRunnerV2(ModelRunnerBase):
         query_start_loc_dev = packed[num_reqs : 2 * num_reqs + 1].to(torch.int32)
         num_tokens = int(query_start_loc[-1])
         prepared = prepare_inputs(
-            packed[:num_reqs], query_start_loc_dev, num_tokens, states.all_token_ids,
-            states.num_computed_tokens, states.block_table, self.block_size,
+            packed[:num_reqs],
+            query_start_loc_dev,
+            num_tokens,
+            states.all_token_ids,
+            states.num_computed_tokens,
+            states.block_table,
+            self.block_size,
         )
         return step_inputs_from_prepared(
-            prepared, query_start_loc_dev, int(query_lens.max()), int(seq_lens.max()),
+            prepared,
+            query_start_loc_dev,
+            int(query_lens.max()),
+            int(seq_lens.max()),
             packed[2 * num_reqs + 1 :],
         )

@@ -91,8 +91,11 @@ def stopping_params(expected: list[list[int]]) -> tuple[list[SamplingParams], li
         if i % 2:
             stop = tokens[i]
             n = tokens.index(stop) + 1
-            params.append(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                         stop_token_ids=[stop]))
+            params.append(
+                SamplingParams(
+                    temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, stop_token_ids=[stop]
+                )
+            )
         else:
             n = 1 + 3 * i
             params.append(SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
@@ -100,8 +103,9 @@ def stopping_params(expected: list[list[int]]) -> tuple[list[SamplingParams], li
     return params, cut
 
 
-def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-             ) -> list[list[int]]:
+def generate(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+) -> list[list[int]]:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -160,8 +164,14 @@ def test_stops_and_max_tokens(tiny_model: Callable[[str], str], runner: str, mod
 def test_multiproc_tp2_overlaps(tiny_model: Callable[[str], str]) -> None:
     """Two worker processes compute a step while the engine schedules the next."""
     path = tiny_model("llama")
-    with LLM(model=path, dtype="float32", max_model_len=256, num_gpu_blocks_override=25,
-             distributed_executor_backend="mp", tensor_parallel_size=2) as llm:
+    with LLM(
+        model=path,
+        dtype="float32",
+        max_model_len=256,
+        num_gpu_blocks_override=25,
+        distributed_executor_backend="mp",
+        tensor_parallel_size=2,
+    ) as llm:
         core = llm.engine_core
         step = core.step
         num_ahead = 0  # steps that only submitted: the previous one was still computing

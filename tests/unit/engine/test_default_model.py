@@ -21,9 +21,26 @@ def test_default_model_knows_paris():
 
 def test_cli_generate(tiny_model):
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.entrypoints.cli", "generate", "--model", tiny_model("llama"),
-         "--dtype", "float32", "--max-model-len", "128", "--max-tokens", "5", "--prompt", "Hello", "--no-chat"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.entrypoints.cli",
+            "generate",
+            "--model",
+            tiny_model("llama"),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--max-tokens",
+            "5",
+            "--prompt",
+            "Hello",
+            "--no-chat",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "Prompt: 'Hello'" in result.stdout and "tok/s" in result.stdout
@@ -31,9 +48,19 @@ def test_cli_generate(tiny_model):
 
 def test_cli_reports_config_errors(tiny_model):
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.entrypoints.cli", "generate", "--model", tiny_model("llama"),
-         "--block-size", "17"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.entrypoints.cli",
+            "generate",
+            "--model",
+            tiny_model("llama"),
+            "--block-size",
+            "17",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "block_size" in result.stderr

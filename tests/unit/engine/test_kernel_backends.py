@@ -36,8 +36,9 @@ def test_triton_backend_matches_hf(tiny_model, monkeypatch, runner, arch):
     for module, name in TORCH_REFERENCES:
         monkeypatch.setattr(module, name, _must_not_run(name))
     path = tiny_model(arch)
-    with LLM(model=path, dtype="float32", max_model_len=256, max_num_batched_tokens=64,
-             max_num_seqs=8) as llm:
+    with LLM(
+        model=path, dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8
+    ) as llm:
         prompts = make_prompts(llm.config.model_config.vocab_size)[:4]
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -49,10 +50,16 @@ def test_triton_backend_matches_hf(tiny_model, monkeypatch, runner, arch):
 def test_seeded_request_is_independent_of_its_batch(tiny_model, monkeypatch, runner):
     monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", RUNNERS[runner])
     with LLM(model=tiny_model("llama"), dtype="float32", max_model_len=128) as llm:
-        seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+        seeded = SamplingParams(
+            temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True
+        )
         alone = llm.generate("Hello there", seeded, use_tqdm=False)[0].outputs[0].token_ids
-        others = [SamplingParams(temperature=0.8, max_tokens=16, seed=i if i % 2 else None, ignore_eos=True)
-                  for i in range(31)]
+        others = [
+            SamplingParams(
+                temperature=0.8, max_tokens=16, seed=i if i % 2 else None, ignore_eos=True
+            )
+            for i in range(31)
+        ]
         prompts = [f"prompt number {i}" for i in range(31)]
         for position in (0, 17, 31):
             batch_prompts = prompts[:position] + ["Hello there"] + prompts[position:]

@@ -19,7 +19,9 @@ def pool_is_full(llm: LLM) -> bool:
 
 
 def test_unknown_architecture(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}')
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}'
+    )
     with pytest.raises(ValueError, match="NoSuchForCausalLM"):
         LLM(model=str(tmp_path))
 
@@ -43,8 +45,12 @@ def test_out_of_vocab_prompt(llm):
 
 @pytest.mark.parametrize(
     "kwargs,field",
-    [({"max_tokens": 0}, "max_tokens"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-     ({"temperature": -1.0}, "temperature")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+    ],
 )
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -52,7 +58,11 @@ def test_bad_sampling_params(kwargs, field):
 
 
 def test_max_tokens_and_text(llm):
-    out = llm.generate("The capital of France is", SamplingParams(max_tokens=7, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        "The capital of France is",
+        SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     seq = out.outputs[0]
     assert len(seq.token_ids) == 7 and seq.finish_reason == "length"
     assert seq.text == llm.get_tokenizer().decode(seq.token_ids, skip_special_tokens=True)
@@ -64,7 +74,11 @@ def test_stop_string_truncates_and_frees(llm):
     full = llm.generate("Hello", greedy, use_tqdm=False)[0].outputs[0].text
     assert len(full) > 6
     stop = full[3:6]
-    out = llm.generate("Hello", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]), use_tqdm=False)[0]
+    out = llm.generate(
+        "Hello",
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0]
     seq = out.outputs[0]
     assert seq.finish_reason == "stop" and seq.stop_reason == stop
     assert seq.text == full[: full.index(stop)]
@@ -74,7 +88,9 @@ def test_stop_string_truncates_and_frees(llm):
 def test_stop_token_ids(llm):
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     tokens = llm.generate("Hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[tokens[4]])
+    params = SamplingParams(
+        max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[tokens[4]]
+    )
     seq = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
     first = tokens.index(tokens[4])
     assert seq.token_ids == tokens[: first + 1]
@@ -92,13 +108,17 @@ def test_n_and_seed(llm):
 
 
 def test_logprobs(llm):
-    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, logprobs=3), use_tqdm=False)[0]
+    out = llm.generate(
+        "Hello", SamplingParams(max_tokens=4, temperature=0, logprobs=3), use_tqdm=False
+    )[0]
     seq = out.outputs[0]
     assert len(seq.logprobs) == len(seq.token_ids)
     for token, entry in zip(seq.token_ids, seq.logprobs):
         assert token in entry and 3 <= len(entry) <= 4
         assert entry[token].rank == 1  # greedy picks the most likely token
-    assert seq.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(seq.token_ids, seq.logprobs)))
+    assert seq.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(seq.token_ids, seq.logprobs))
+    )
 
 
 def test_shutdown_is_idempotent(tiny_model):

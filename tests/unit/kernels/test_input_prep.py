@@ -111,7 +111,8 @@ def test_dispatch_follows_the_backend(
     for name in ("torch", "triton"):
         fn = getattr(input_prep, f"prepare_inputs_{name}")
         monkeypatch.setattr(
-            input_prep, f"prepare_inputs_{name}",
+            input_prep,
+            f"prepare_inputs_{name}",
             lambda *args, fn=fn, name=name: called.append(name) or fn(*args),
         )
     monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", forced)

@@ -85,7 +85,9 @@ def test_top_k_top_p_tie_and_minimum_rules() -> None:
     ]
     got = process_logits_triton(logits.to(DEVICE), make_md(params, device=DEVICE))
     assert torch.isfinite(got).tolist() == [
-        [False, True, True, False], [True] * 4, [True, False, False, False],
+        [False, True, True, False],
+        [True] * 4,
+        [True, False, False, False],
         [False, True, False, False],
     ]
 

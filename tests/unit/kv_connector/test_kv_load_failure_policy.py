@@ -76,9 +76,7 @@ def test_recompute_policy_prefills_the_whole_prompt_after_a_failed_read(model: s
     assert new_req.num_computed_tokens == 0 and new_req.block_ids == block_ids
     assert out.num_scheduled_tokens == {req_id: NUM_TOKENS}
     assert not connector_meta(out).reqs_to_recv
-    outputs = scheduler.update_from_output(
-        out, create_model_runner_output([request], use_eos=True)
-    )
+    outputs = scheduler.update_from_output(out, create_model_runner_output([request], use_eos=True))
     assert [o.finish_reason for o in outputs] == [FinishReason.STOP]
     scheduler.schedule()
     assert_scheduler_empty(scheduler)

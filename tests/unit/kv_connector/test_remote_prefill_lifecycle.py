@@ -66,9 +66,7 @@ def test_basic_lifecycle(model: str) -> None:
     scheduler.update_from_output(out, create_model_runner_output([request]))
 
     out = scheduler.schedule()
-    outputs = scheduler.update_from_output(
-        out, create_model_runner_output([request], use_eos=True)
-    )
+    outputs = scheduler.update_from_output(out, create_model_runner_output([request], use_eos=True))
     scheduler.schedule()
     assert [o.finish_reason for o in outputs] == [FinishReason.STOP]
     assert_scheduler_empty(scheduler)
@@ -146,9 +144,7 @@ def test_full_block_prompt(model: str) -> None:
     assert out.num_scheduled_tokens[req_id] == 1
     scheduler.update_from_output(out, create_model_runner_output([request]))
     out = scheduler.schedule()
-    outputs = scheduler.update_from_output(
-        out, create_model_runner_output([request], use_eos=True)
-    )
+    outputs = scheduler.update_from_output(out, create_model_runner_output([request], use_eos=True))
     scheduler.schedule()
     assert [o.finish_reason for o in outputs] == [FinishReason.STOP]
     assert_scheduler_empty(scheduler)

@@ -89,7 +89,10 @@ def test_fill_pads_to_a_valid_batch() -> None:
     md = padded.attn_metadata
     assert md is static.metadata(BatchDescriptor(8, False))
     assert (md.num_reqs, md.num_actual_tokens, md.max_query_len, md.max_seq_len) == (
-        8, 8, 8, MAX_MODEL_LEN,
+        8,
+        8,
+        8,
+        MAX_MODEL_LEN,
     )
     assert padded.input_ids.tolist() == step.input_ids.tolist() + [0] * 4
     assert padded.positions.tolist() == [6, 0, 1, 2, 0, 0, 0, 0]

@@ -146,9 +146,7 @@ def test_penalties_exact_values():
 
 def test_penalties_change_the_greedy_choice():
     logits = torch.tensor([[0.0, 3.0, 2.9, 0.0]])
-    md = make_md(
-        [SamplingParams(temperature=0.0, presence_penalty=0.5)], output_token_ids=[[1]]
-    )
+    md = make_md([SamplingParams(temperature=0.0, presence_penalty=0.5)], output_token_ids=[[1]])
     assert Sampler(use_kernels=False)(logits, md).sampled_token_ids.tolist() == [2]
 
 
