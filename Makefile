@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow lint bench clean
 RAY_STAMP := $(VENV)/.installed-ray
 
 setup: $(STAMP)
@@ -27,6 +27,10 @@ $(RAY_STAMP): $(STAMP)
 # The main job: a prefill instance, a decode instance and the proxy answer chat prompts.
 demo: $(STAMP)
 	$(PY) examples/pd_demo.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -19,9 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from serving import launch_server, stop_server, wait_healthy  # noqa: E402
+
 from pdserve.entrypoints.bench_serve import benchmark, fetch_model, format_table, sample_prompts  # noqa: E402
 from pdserve.utils import get_open_port  # noqa: E402
-from serving import launch_server, stop_server, wait_healthy  # noqa: E402
 
 
 def run_one(label: str, command: str, server_args: list[str], args: argparse.Namespace) -> dict:

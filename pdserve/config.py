@@ -128,7 +128,7 @@ class EngineConfig:
             self._validate_v1_model_runner()
 
     @classmethod
-    def from_engine_args(cls, **kwargs: Any) -> "EngineConfig":
+    def from_engine_args(cls, **kwargs: Any) -> EngineConfig:
         """Build from vLLM's flat engine-argument names (`LLM(...)`, the CLI)."""
         parts: dict[type, dict[str, Any]] = {
             ModelConfig: {},

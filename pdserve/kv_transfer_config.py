@@ -74,7 +74,7 @@ class KVTransferConfig:
             )
 
     @classmethod
-    def from_any(cls, value: "KVTransferConfig | dict[str, Any]") -> "KVTransferConfig":
+    def from_any(cls, value: KVTransferConfig | dict[str, Any]) -> KVTransferConfig:
         if isinstance(value, cls):
             return value
         if not isinstance(value, dict):

@@ -33,11 +33,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = enum.auto()
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finished_reason(status: "RequestStatus") -> FinishReason | None:
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
         return _FINISHED_REASONS.get(status)
 
 
@@ -119,7 +119,7 @@ class Request:
     def get_finished_reason(self) -> FinishReason | None:
         return RequestStatus.get_finished_reason(self.status)
 
-    def __lt__(self, other: "Request") -> bool:
+    def __lt__(self, other: Request) -> bool:
         # Priority queue order: lower priority value first, then earlier arrival.
         return (self.priority, self.arrival_time, self.request_id) < (
             other.priority,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 
@@ -42,7 +43,7 @@ class AsyncLLM:
         self.client = AsyncEngineCoreClient(config)
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> "AsyncLLM":
+    def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> AsyncLLM:
         return cls(EngineConfig.from_engine_args(model=model, **engine_args))
 
     async def start(self) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Iterable
 
 from pdserve.config import EngineConfig
 from pdserve.engine.input_processor import check_prompt

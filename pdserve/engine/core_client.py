@@ -12,8 +12,9 @@ import itertools
 import logging
 import multiprocessing
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import wait as wait_for_objects
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import zmq

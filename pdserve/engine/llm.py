@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -125,7 +126,7 @@ class LLM:
             self.engine_core.shutdown()
             self.engine_core = None
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

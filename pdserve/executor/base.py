@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from pdserve.config import EngineConfig
 from pdserve.executor.worker import Worker
@@ -39,7 +40,7 @@ class Executor(ABC):
         )
 
     @staticmethod
-    def get_class(config: EngineConfig) -> type["Executor"]:
+    def get_class(config: EngineConfig) -> type[Executor]:
         backend = config.parallel_config.distributed_executor_backend
         if backend == "uni":
             from pdserve.executor.uniproc import UniProcExecutor

@@ -85,7 +85,7 @@ class MessageQueue:
         self.index = 0
 
     @classmethod
-    def attach(cls, handle: MessageQueueHandle, reader_rank: int | None) -> "MessageQueue":
+    def attach(cls, handle: MessageQueueHandle, reader_rank: int | None) -> MessageQueue:
         """A reader: `reader_rank` is its local index, or None for a reader on another node."""
         self = cls.__new__(cls)
         self.ctx = zmq.Context()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import msgspec
@@ -57,7 +57,7 @@ def decode_reply(payload: bytes) -> RPCReply:
     return _reply_decoder.decode(payload)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _method_types(cls: type, method: str) -> tuple[list[tuple[str, Any]], Any]:
     fn = getattr(cls, method, None)
     if fn is None or method.startswith("_") or not callable(fn):
@@ -70,7 +70,7 @@ def _method_types(cls: type, method: str) -> tuple[list[tuple[str, Any]], Any]:
     return params, hints.get("return", Any)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _args_decoder(cls: type, method: str, num_args: int) -> msgspec.msgpack.Decoder:
     params, _ = _method_types(cls, method)
     if num_args > len(params):
@@ -80,7 +80,7 @@ def _args_decoder(cls: type, method: str, num_args: int) -> msgspec.msgpack.Deco
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _result_decoder(cls: type, method: str) -> msgspec.msgpack.Decoder:
     _, result_type = _method_types(cls, method)
     return msgspec.msgpack.Decoder(result_type)

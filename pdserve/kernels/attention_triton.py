@@ -191,7 +191,7 @@ def _combine_splits_kernel(
     d_valid = offs_d < HEAD_DIM
     row = out_row[:, None] * NUM_SPLITS + offs_s[None, :]
     m = tl.load(part_max_ptr + row, mask=s_valid[None, :], other=float("-inf"))
-    l = tl.load(part_sum_ptr + row, mask=s_valid[None, :], other=0.0)
+    part_sum = tl.load(part_sum_ptr + row, mask=s_valid[None, :], other=0.0)
     acc = tl.load(
         part_out_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
         mask=s_valid[None, :, None] & d_valid[None, None, :],
@@ -199,7 +199,7 @@ def _combine_splits_kernel(
     )
     # The first split holds key 0, visible to every query: the max is a real score, the sum > 0.
     weight = tl.exp2(m - tl.max(m, 1)[:, None])
-    out = tl.sum(acc * weight[:, :, None], 1) / tl.sum(l * weight, 1)[:, None]
+    out = tl.sum(acc * weight[:, :, None], 1) / tl.sum(part_sum * weight, 1)[:, None]
     tl.store(
         out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),

@@ -29,7 +29,7 @@ class KVConnectorRole(enum.Enum):
 
 
 class KVConnectorBase(abc.ABC):
-    def __init__(self, config: "EngineConfig", role: KVConnectorRole) -> None:
+    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
         if config.kv_transfer_config is None:
             raise ValueError("kv_transfer_config must be set for a KV connector.")
         self.config = config
@@ -40,31 +40,31 @@ class KVConnectorBase(abc.ABC):
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens a peer can provide beyond the local prefix hit, and whether they load
         asynchronously (between steps). None: undecided, ask again next step. No side effects."""
 
     @abc.abstractmethod
     def update_state_after_alloc(
-        self, request: "Request", blocks: list["KVCacheBlock"], num_external_tokens: int
+        self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int
     ) -> None:
         """The request got its blocks; remember what to load into which."""
 
     @abc.abstractmethod
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> msgspec.Struct:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> msgspec.Struct:
         """This step's orders for the workers; resets the per-step state."""
 
     @abc.abstractmethod
     def request_finished(
-        self, request: "Request", block_ids: list[int]
+        self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Called once when a request finishes: (free its blocks later?, kv_transfer_params)."""
 
     def release_remote(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
         """A request that names remote KV will never be admitted here: let the peer free it."""
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         """What the workers reported this step (counters, finished transfers)."""
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, bytes]) -> None:

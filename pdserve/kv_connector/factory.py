@@ -22,7 +22,7 @@ class KVConnectorFactory:
 
     @classmethod
     def create(
-        cls, config: "EngineConfig", role: KVConnectorRole, tp_rank: int = 0
+        cls, config: EngineConfig, role: KVConnectorRole, tp_rank: int = 0
     ) -> KVConnectorBase:
         assert config.kv_transfer_config is not None
         module_name, class_name = cls._registry[config.kv_transfer_config.kv_connector].split(":")

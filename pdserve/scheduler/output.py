@@ -27,7 +27,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     @classmethod
     def from_request(
         cls, request: Any, block_ids: list[int], prefill_token_ids: list[int] | None = None
-    ) -> "NewRequestData":
+    ) -> NewRequestData:
         return cls(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -59,7 +59,7 @@ class CachedRequestData(msgspec.Struct, array_like=True):
         return len(self.req_ids)
 
     @classmethod
-    def make_empty(cls) -> "CachedRequestData":
+    def make_empty(cls) -> CachedRequestData:
         return cls([], set(), [], {}, [], [], [])
 
 
@@ -75,5 +75,5 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     kv_connector_metadata: bytes | None = None
 
     @classmethod
-    def make_empty(cls) -> "SchedulerOutput":
+    def make_empty(cls) -> SchedulerOutput:
         return cls([], CachedRequestData.make_empty(), {}, 0, set())

@@ -7,8 +7,8 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import httpx
 import openai

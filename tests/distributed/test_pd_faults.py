@@ -6,7 +6,7 @@ import os
 import signal
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 import pytest

@@ -4,10 +4,11 @@ tokens, for each transport, runner, and TP layout (tiny llama: 4 heads, 2 KV hea
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
+
 from tests.utils.pd import split_request, start_instance
 from tests.utils.tiny_models import hf_greedy
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.utils.procs import wait_until_gone
 from tests.utils.pd import wait_all_pools_full
+from tests.utils.procs import wait_until_gone
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
 

@@ -12,8 +12,8 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from aiohttp import web

@@ -165,7 +165,7 @@ class RemoteServer(MetricsReader):
         self.log.close()
         return left
 
-    def __enter__(self) -> "RemoteServer":
+    def __enter__(self) -> RemoteServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -9,8 +9,9 @@ import argparse
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -195,7 +196,7 @@ def build_app(
             # Fresh numbers: the engine only reports by itself when it does something.
             try:
                 await engine.refresh_stats()
-            except (asyncio.TimeoutError, EngineDeadError):
+            except (TimeoutError, EngineDeadError):
                 pass
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -6,7 +6,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
@@ -140,7 +141,7 @@ class OpenAIServing:
         if req.kv_transfer_params and self.engine.dead_reason is None:
             try:
                 await self.engine.release_remote_kv(request_id, req.kv_transfer_params)
-            except (asyncio.TimeoutError, RuntimeError) as e:  # the lease still frees them
+            except (TimeoutError, RuntimeError) as e:  # the lease still frees them
                 logger.warning(
                     "Could not release the remote KV of rejected request %s: %s", request_id, e
                 )
@@ -252,8 +253,8 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         prompts = self.prepare_chat(req)
         final: RequestOutput | None = None
-        async for _, final in self.generate(prompts, request_id, req.kv_transfer_params):
-            pass
+        async for _, final in self.generate(prompts, request_id, req.kv_transfer_params):  # noqa: B007
+            pass  # the last output holds the whole answer
         assert final is not None
         choices = [
             {

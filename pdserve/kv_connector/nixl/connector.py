@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class NixlConnector(KVConnectorBase):
-    def __init__(self, config: "EngineConfig", role: KVConnectorRole, tp_rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, role: KVConnectorRole, tp_rank: int = 0) -> None:
         super().__init__(config, role)
         self.scheduler: NixlConnectorScheduler | None = None
         self.worker: NixlConnectorWorker | None = None
@@ -33,23 +33,23 @@ class NixlConnector(KVConnectorBase):
     # ---- scheduler role ---------------------------------------------------------------------
 
     def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
-        self, request: "Request", blocks: list["KVCacheBlock"], num_external_tokens: int
+        self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> NixlConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta()
 
     def request_finished(
-        self, request: "Request", block_ids: list[int]
+        self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
@@ -58,7 +58,7 @@ class NixlConnector(KVConnectorBase):
         assert self.scheduler is not None
         self.scheduler.release_remote(request_id, kv_transfer_params)
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(output)
 

@@ -32,9 +32,7 @@ MODES = ["sync", "async", "in_flight"]
 class DeferredFuture(Future):
     """A step the worker runs only when its result, or a later step's, is asked for."""
 
-    def __init__(
-        self, run: Callable[[], ModelRunnerOutput], pending: list["DeferredFuture"]
-    ) -> None:
+    def __init__(self, run: Callable[[], ModelRunnerOutput], pending: list[DeferredFuture]) -> None:
         super().__init__()
         self._run = run
         self._pending = pending
