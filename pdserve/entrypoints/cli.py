@@ -137,6 +137,15 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return run_proxy(args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from pdserve.models.loader.export import export_hf_folder
+
+    start = time.perf_counter()
+    output = export_hf_folder(args.model, args.output, args.dtype)
+    print(f"Wrote {output} ({args.dtype}) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from pdserve.entrypoints.launch import run_launch
 
@@ -182,6 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_launch_args(launch)
     launch.set_defaults(func=cmd_launch)
+
+    export = sub.add_parser(
+        "export", help="write a GGUF model as an HF folder (config, safetensors, tokenizer)"
+    )
+    export.add_argument(
+        "--model", default="default", help="a .gguf file, or default: bundled SmolLM2-135M-Instruct"
+    )
+    export.add_argument("--output", required=True, help="the folder to write (absent or empty)")
+    export.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    export.set_defaults(func=cmd_export)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench_serve = bench.add_parser("serve", help="Poisson load against a running server")
