@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.validation import check_choice, check_positive
+
+if TYPE_CHECKING:
+    from pdserve.models.utils import KVCacheGeometry
 
 _DTYPES = {
     "float32": torch.float32,
@@ -98,15 +102,31 @@ class ModelConfig:
     def num_layers(self) -> int:
         return self.hf_config.num_hidden_layers
 
+    @cached_property
+    def kv_cache_geometry(self) -> KVCacheGeometry:
+        """The whole model's (every layer, every KV head), read from its attention layers built
+        on the meta device (no memory, no weights), before any worker splits it.
+
+        Workers size their caches from the model they built (its stage, its TP rank's heads),
+        so the engine and the workers read one source."""
+        from pdserve.distributed import parallel_state
+        from pdserve.models import registry
+        from pdserve.models.utils import kv_cache_geometry
+
+        # Inside a TP group or a pipeline the layers built would be one rank's share.
+        assert parallel_state.get_tensor_model_parallel_world_size() == 1
+        assert parallel_state.get_pp_world_size() == 1
+        with torch.device("meta"):
+            model = registry.get_model_class(self.architecture)(self.hf_config, torch.float32)
+        return kv_cache_geometry(model)
+
     @property
     def num_kv_heads(self) -> int:
-        hf = self.hf_config
-        return getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        return self.kv_cache_geometry.num_kv_heads
 
     @property
     def head_dim(self) -> int:
-        hf = self.hf_config
-        return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return self.kv_cache_geometry.head_dim
 
 
 def _cpu_has_bf16() -> bool:

@@ -1,5 +1,5 @@
-"""What the model families share: their pipeline stages, and loading checkpoint tensors into
-their parameters by HF checkpoint name.
+"""What the model families share: their pipeline stages, the geometry of their KV cache, and
+loading checkpoint tensors into their parameters by HF checkpoint name.
 
 Under pipeline parallelism a stage builds only its own layers; the others are `PPMissingLayer`s,
 whose weights loading skips. Parameters that pack several checkpoint tensors (qkv_proj,
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from pdserve.distributed.parallel_state import (
     get_pp_rank,
     get_pp_world_size,
 )
+from pdserve.models.layers.attention import Attention
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,27 @@ def make_layers(
         make_layer(i) if start <= i < end else PPMissingLayer() for i in range(num_layers)
     )
     return start, end, layers
+
+
+@dataclass(frozen=True)
+class KVCacheGeometry:
+    """What a KV cache holds for a model: one entry per attention layer, each with its KV heads
+    of head_dim values (of one pipeline stage and one TP rank, for a model built as one)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_cache_geometry(model: nn.Module) -> KVCacheGeometry:
+    """Read from the model's attention layers: a model family decides which HF config fields it
+    uses (OPT ignores num_key_value_heads), so no rule over the config can stand in for it."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    shapes = {(layer.num_kv_heads, layer.head_dim) for layer in layers}
+    # One cache tensor holds every layer: a model whose layers differ would need one per layer.
+    assert len(shapes) == 1, f"{type(model).__name__}: attention layers of shapes {shapes}"
+    ((num_kv_heads, head_dim),) = shapes
+    return KVCacheGeometry(len(layers), num_kv_heads, head_dim)
 
 
 def empty_intermediate_tensors(

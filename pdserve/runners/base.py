@@ -17,6 +17,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.distributed import parallel_state
 from pdserve.models import loader
+from pdserve.models.utils import KVCacheGeometry, kv_cache_geometry
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
 from pdserve.runners.inputs import StepInputs
 from pdserve.runners.sampler import Sampler, SamplingMetadata
@@ -57,22 +58,29 @@ class ModelRunnerBase:
         self.eos_token_ids = self.model_config.eos_token_ids
         self.sampler = Sampler(use_kernels=use_sampling_kernels)
         self.model: torch.nn.Module | None = None
+        self.kv_cache_geometry: KVCacheGeometry | None = None
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []
 
     def load_model(self) -> None:
         mc = self.model_config
         self.model = loader.load_model(mc.hf_config, mc.source, self.dtype, self.device)
+        # Read now: runner V2 may later wrap the model in its CUDA graphs.
+        self.kv_cache_geometry = kv_cache_geometry(self.model)
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """[num_blocks, this stage's layers, 2, block_size, this TP rank's KV heads, head_dim]."""
-        mc = self.model_config
-        pp_rank, pp_size = parallel_state.get_pp_rank(), parallel_state.get_pp_world_size()
-        start, end = parallel_state.get_pp_indices(mc.num_layers, pp_rank, pp_size)
-        # TP ranks split the KV heads; with more ranks than heads each rank holds one.
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        num_kv_heads = max(1, mc.num_kv_heads // tp_size)
-        return (num_blocks, end - start, 2, self.block_size, num_kv_heads, mc.head_dim)
+        """[num_blocks, this stage's layers, 2, block_size, this TP rank's KV heads, head_dim],
+        as the model's attention layers hold them."""
+        geometry = self.kv_cache_geometry
+        assert geometry is not None, "load_model() first"
+        return (
+            num_blocks,
+            geometry.num_layers,
+            2,
+            self.block_size,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+        )
 
     def get_kv_cache_block_bytes(self) -> int:
         elems = math.prod(self._kv_cache_shape(1))
@@ -163,7 +171,6 @@ class ModelRunnerBase:
             logprobs = _scatter_logprobs(logprobs, sampling_req_ids, req_ids)
         return ModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
             logprobs=logprobs,
         )

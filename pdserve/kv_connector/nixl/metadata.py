@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import msgspec
 
 import pdserve
+
+if TYPE_CHECKING:
+    import torch
 
 # Bumped whenever a message below or the KV layout changes meaning.
 NIXL_CONNECTOR_VERSION = 1
@@ -71,22 +75,21 @@ class Notif(msgspec.Struct, array_like=True):
 
 
 def compatibility_hash(
-    architecture: str,
-    dtype: str,
-    total_num_kv_heads: int,
-    head_dim: int,
-    num_layers: int,
-    block_size: int,
-    transport: str,
+    architecture: str, kv_cache: torch.Tensor, tp_size: int, transport: str
 ) -> str:
-    """Both sides of a transfer must agree on all of these, or the bytes mean nothing."""
+    """Both sides of a transfer must agree on all of these, or the bytes mean nothing.
+
+    The layout is the registered cache's own (its geometry is the model's attention layers'),
+    with the KV heads counted over the TP group (EngineConfig checks that TP divides them), so
+    that instances of different TP sizes agree."""
+    _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     factors = (
         pdserve.__version__,
         NIXL_CONNECTOR_VERSION,
         KV_LAYOUT,
         architecture,
-        dtype,
-        total_num_kv_heads,
+        str(kv_cache.dtype).removeprefix("torch."),
+        num_kv_heads * tp_size,
         head_dim,
         num_layers,
         block_size,

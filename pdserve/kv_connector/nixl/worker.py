@@ -60,25 +60,14 @@ class NixlConnectorWorker:
     def __init__(self, config: EngineConfig, tp_rank: int) -> None:
         kv = config.kv_transfer_config
         assert kv is not None
-        mc = config.model_config
         self.engine_id = kv.engine_id
         self.tp_rank = tp_rank
         self.tp_size = config.parallel_config.tensor_parallel_size
-        self.block_size = config.cache_config.block_size
         self.lease_duration = kv.kv_lease_duration
         self.handshake_timeout = kv.handshake_timeout
         self.transport_name = kv.transport
-        self.dtype = str(mc.torch_dtype).removeprefix("torch.")
-        self.compat_hash = compatibility_hash(
-            mc.architecture,
-            self.dtype,
-            mc.num_kv_heads,
-            mc.head_dim,
-            mc.num_layers,
-            self.block_size,
-            kv.transport,
-        )
-        self.expected_hash = self.compat_hash if kv.enforce_handshake_compat else None
+        self.architecture = config.model_config.architecture
+        self.enforce_handshake_compat = kv.enforce_handshake_compat
         self.transport = make_transport(
             kv.transport,
             f"{self.engine_id}:{tp_rank}",
@@ -88,6 +77,8 @@ class NixlConnectorWorker:
         )
         self.kv_cache: torch.Tensor | None = None
         self.topology: Topology | None = None
+        # Of the registered cache: its layout is what the peers must agree on.
+        self.compat_hash: str | None = None
         self._meta = NixlConnectorMetadata()
         self._handshaker = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-handshake")
         self._handshakes: dict[str, Future[RemoteEngine]] = {}
@@ -107,11 +98,14 @@ class NixlConnectorWorker:
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
+        self.compat_hash = compatibility_hash(
+            self.architecture, kv_cache, self.tp_size, self.transport_name
+        )
         self.transport.register_region(kv_cache)
         self.topology = Topology(kv_cache, self.tp_rank, self.tp_size, self.transport)
 
     def get_handshake_metadata(self) -> bytes:
-        assert self.kv_cache is not None
+        assert self.kv_cache is not None and self.compat_hash is not None
         cache = self.kv_cache
         meta = AgentMetadata(
             self.engine_id,
@@ -121,11 +115,11 @@ class NixlConnectorWorker:
             self.transport.get_agent_metadata(),
             cache.shape[0],
             cache[0].nbytes,
-            self.block_size,
+            cache.shape[3],
             cache.shape[4],
             cache.shape[5],
             cache.shape[1],
-            self.dtype,
+            str(cache.dtype).removeprefix("torch."),
         )
         return msgspec.msgpack.encode(
             HandshakePayload(self.compat_hash, msgspec.msgpack.encode(meta))
@@ -171,13 +165,14 @@ class NixlConnectorWorker:
     def _handshake(self, meta: RecvReqMeta) -> RemoteEngine:
         assert self.topology is not None
         ranks = self.topology.remote_ranks(meta.remote_tp_size)
+        expected_hash = self.compat_hash if self.enforce_handshake_compat else None
         agents = []
         for rank in ranks:
             remote = fetch_agent_metadata(
                 meta.remote_host,
                 meta.remote_port,
                 rank,
-                self.expected_hash,
+                expected_hash,
                 meta.remote_engine_id,
                 self.handshake_timeout,
             )
