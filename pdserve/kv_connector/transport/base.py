@@ -183,7 +183,7 @@ def make_transport(
             cls = UcxTransport
     except ImportError as e:
         install = {
-            "nixl": "pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1",
+            "nixl": "pip install nixl-cu12==1.5.1",
             "ucx": "pip install ucxx-cu12==0.52.0",
         }[name]
         raise RuntimeError(f"transport {name!r} cannot import its library ({e}); {install}") from e

@@ -18,8 +18,15 @@ import torch
 # the user asked for a level.
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from nixl import _bindings  # noqa: E402
-from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle  # noqa: E402
+# The `nixl` meta package picks the wheel that matches the CUDA found; without it (what
+# `pip install pdserve` gives: its own dependencies would pull the CUDA 13 variant) the CUDA 12
+# wheel's own modules serve.
+try:
+    from nixl import _bindings
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
+except ImportError:
+    from nixl_cu12 import _bindings
+    from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from pdserve.kv_connector.transport.base import Desc, Transport, XferState, check_descs
 
