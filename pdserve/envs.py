@@ -6,6 +6,7 @@ Values are read on access (not at import) so tests can set them with monkeypatch
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def _tri_state(name: str) -> bool | None:
@@ -88,3 +89,15 @@ def cpu_threads() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"PDSERVE_CPU_THREADS must be a positive integer, got {value!r}.")
     return int(value)
+
+
+def cache_dir() -> Path:
+    """PDSERVE_CACHE_DIR: where built CPU kernels and compiled graphs are kept across runs
+    (default ~/.cache/pdserve)."""
+    value = os.environ.get("PDSERVE_CACHE_DIR") or None
+    return Path(value) if value else Path.home() / ".cache" / "pdserve"
+
+
+def cxx_compiler() -> str:
+    """CXX: the C++ compiler that builds the CPU kernels (default g++)."""
+    return os.environ.get("CXX") or "g++"

@@ -8,12 +8,14 @@ writes into the cache are in kv_cache.py.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import backend
+from pdserve.kernels import backend, native
 
 if backend.HAS_TRITON:
     from pdserve.kernels.attention_triton import paged_attention_triton
@@ -93,6 +95,92 @@ def paged_attention_torch(
     return out[token_req, token_pos]
 
 
+_CPU_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _Geometry(ctypes.Structure):
+    """Mirrors `Geometry` in csrc/paged_attention_cpu.cpp."""
+
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "block_size",
+            "stride_q_token",
+            "stride_out_token",
+            "stride_block",
+            "stride_kv",
+            "stride_slot",
+            "stride_block_table",
+        )
+    ] + [("scale", ctypes.c_float)]
+
+
+@functools.cache
+def _cpu_kernel() -> ctypes._CFuncPtr | None:
+    lib = native.load("paged_attention_cpu")
+    if lib is None:
+        return None
+    fn = lib.pdserve_paged_attention
+    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, ctypes.c_int64, ctypes.POINTER(_Geometry)]
+    fn.restype = None
+    return fn
+
+
+# The CPU kernel scores each query token against its keys one by one: unbeatable for decodes
+# and short chunks, while SDPA's tiled matmuls win on long prompts.
+_CPU_KERNEL_MAX_QUERY_LEN = 64
+
+
+def paged_attention_cpu(
+    query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+) -> torch.Tensor | None:
+    """The C++ kernel of csrc/paged_attention_cpu.cpp: reads keys and values through the block
+    table in place. None where it does not apply (dtype, layout, long queries, no compiler)."""
+    dtype = _CPU_DTYPES.get(query.dtype)
+    if dtype is None or md.max_query_len > _CPU_KERNEL_MAX_QUERY_LEN:
+        return None
+    kernel = _cpu_kernel()
+    if kernel is None:
+        return None
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim, "a layer view of the cache"
+    block_table = md.block_table
+    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+    qsl = md.query_start_loc.to(torch.int32).contiguous()
+    seq_lens = md.seq_lens.to(torch.int32).contiguous()
+    out = query.new_empty(md.num_actual_tokens, num_heads, head_dim)
+    geometry = _Geometry(
+        num_heads,
+        kv_cache.shape[3],
+        head_dim,
+        kv_cache.shape[2],
+        query.stride(0),
+        out.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_table.stride(0),
+        scale,
+    )
+    kernel(
+        dtype,
+        query.data_ptr(),
+        kv_cache.data_ptr(),
+        block_table.data_ptr(),
+        qsl.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        md.num_reqs,
+        ctypes.byref(geometry),
+    )
+    return out
+
+
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
 ) -> torch.Tensor:
@@ -100,4 +188,8 @@ def paged_attention(
     returns [md.num_actual_tokens, num_heads, head_dim] in the query's dtype."""
     if backend.use_triton(query.device):
         return paged_attention_triton(query, kv_cache, md, scale)
+    if backend.use_cpu_kernels(query.device):
+        out = paged_attention_cpu(query, kv_cache, md, scale)
+        if out is not None:
+            return out
     return paged_attention_torch(query, kv_cache, md, scale)

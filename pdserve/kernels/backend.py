@@ -21,3 +21,8 @@ def use_triton(device: torch.device) -> bool:
             raise ValueError("PDSERVE_KERNEL_BACKEND=triton, but Triton is not installed.")
         return True
     return HAS_TRITON and device.type == "cuda"
+
+
+def use_cpu_kernels(device: torch.device) -> bool:
+    """The C++ kernels (kernels/native.py) for CPU tensors, unless PDSERVE_KERNEL_BACKEND=torch."""
+    return device.type == "cpu" and envs.kernel_backend() != "torch"

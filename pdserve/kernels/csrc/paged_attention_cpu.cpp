@@ -1,0 +1,122 @@
+// Paged attention for CPU tensors: each query token attends causally to its request's keys,
+// read through the block table where they lie (no gathered copy of the cache).
+//
+// Built at run time by pdserve/kernels/native.py with the machine's compiler and called
+// through ctypes: no torch headers, so it builds in about a second. OpenMP splits the
+// (request, KV head) work items; the library resolves libgomp to the copy torch already
+// loaded, so it shares torch's threads instead of fighting them for the cores.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct F32 {
+  using T = float;
+  static float load(T x) { return x; }
+  static T store(float f) { return f; }
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static float load(T x) {
+    uint32_t bits = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static T store(float f) {  // round to nearest even, as torch rounds
+    if (std::isnan(f)) return 0x7fc0;
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return T(bits >> 16);
+  }
+};
+
+struct Geometry {
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+  int64_t stride_q_token, stride_out_token;
+  int64_t stride_block, stride_kv, stride_slot, stride_block_table;
+  float scale;
+};
+
+template <typename K>
+void attend(const typename K::T* query, const typename K::T* cache, const int32_t* block_table,
+            const int32_t* query_start_loc, const int32_t* seq_lens, typename K::T* out,
+            int64_t num_reqs, const Geometry& g) {
+  using T = typename K::T;
+  const int64_t group = g.num_heads / g.num_kv_heads, dim = g.head_dim;
+#pragma omp parallel
+  {
+  std::vector<float> q(group * dim), acc(group * dim), scores, row(dim);
+#pragma omp for schedule(dynamic)
+  for (int64_t item = 0; item < num_reqs * g.num_kv_heads; ++item) {
+    const int64_t req = item / g.num_kv_heads, kv_head = item % g.num_kv_heads;
+    const int32_t* table = block_table + req * g.stride_block_table;
+    const int64_t q_begin = query_start_loc[req], q_end = query_start_loc[req + 1];
+    const int64_t context = seq_lens[req] - (q_end - q_begin);
+    for (int64_t token = q_begin; token < q_end; ++token) {
+      const int64_t num_keys = context + (token - q_begin) + 1;  // causal: up to its own position
+      scores.resize(group * num_keys);
+      for (int64_t h = 0; h < group; ++h) {
+        const T* src = query + token * g.stride_q_token + (kv_head * group + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = K::load(src[d]) * g.scale;
+      }
+      // Keys once each, converted once, scored against every query head of the group.
+      for (int64_t t = 0; t < num_keys; ++t) {
+        const T* key = cache + int64_t(table[t / g.block_size]) * g.stride_block +
+                       (t % g.block_size) * g.stride_slot + kv_head * dim;
+        for (int64_t d = 0; d < dim; ++d) row[d] = K::load(key[d]);
+        for (int64_t h = 0; h < group; ++h) {
+          const float* qh = &q[h * dim];
+          float s = 0.f;
+          for (int64_t d = 0; d < dim; ++d) s += qh[d] * row[d];
+          scores[h * num_keys + t] = s;
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        float* s = &scores[h * num_keys];
+        const float max = *std::max_element(s, s + num_keys);
+        float sum = 0.f;
+        for (int64_t t = 0; t < num_keys; ++t) sum += (s[t] = std::exp(s[t] - max));
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < num_keys; ++t) s[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < num_keys; ++t) {
+        const T* value = cache + int64_t(table[t / g.block_size]) * g.stride_block + g.stride_kv +
+                         (t % g.block_size) * g.stride_slot + kv_head * dim;
+        for (int64_t d = 0; d < dim; ++d) row[d] = K::load(value[d]);
+        for (int64_t h = 0; h < group; ++h) {
+          const float p = scores[h * num_keys + t];
+          float* a = &acc[h * dim];
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        T* dst = out + token * g.stride_out_token + (kv_head * group + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = K::store(acc[h * dim + d]);
+      }
+    }
+  }
+  }
+}
+
+}  // namespace
+
+// dtype: 0 float32, 1 bfloat16.
+extern "C" void pdserve_paged_attention(int dtype, const void* query, const void* cache,
+                                        const int32_t* block_table, const int32_t* query_start_loc,
+                                        const int32_t* seq_lens, void* out, int64_t num_reqs,
+                                        const Geometry* g) {
+  if (dtype == 0)
+    attend<F32>(static_cast<const float*>(query), static_cast<const float*>(cache), block_table,
+                query_start_loc, seq_lens, static_cast<float*>(out), num_reqs, *g);
+  else
+    attend<BF16>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(cache),
+                 block_table, query_start_loc, seq_lens, static_cast<uint16_t*>(out), num_reqs,
+                 *g);
+}

@@ -1,0 +1,84 @@
+"""CPU kernels in C++, built once per machine with its own compiler and loaded with ctypes.
+
+No torch headers and no pybind: a kernel file builds in about a second, so it is built at first
+use (after torch is imported, so that its OpenMP runtime is the one the kernel finds) and kept in
+the cache directory, keyed by its source, the flags and the CPU (it is built for
+this CPU's instruction set). Where no compiler works, the torch reference runs instead and the
+reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pdserve import envs
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+# Fast math vectorizes the softmax's exp (libmvec) and the reductions; infinities stay exact,
+# as masked scores need them.
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffast-math",
+    "-fno-finite-math-only",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+)
+
+
+def _cpu_id() -> str:
+    """The CPU's feature flags: a library built with -march=native runs only where they match."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def _build(name: str) -> Path:
+    source = _CSRC / f"{name}.cpp"
+    compiler = envs.cxx_compiler()
+    key = hashlib.sha256(
+        b"\0".join(
+            [source.read_bytes(), compiler.encode(), " ".join(_FLAGS).encode(), _cpu_id().encode()]
+        )
+    ).hexdigest()[:16]
+    target = envs.cache_dir() / "kernels" / f"{name}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed: processes that build at once never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *_FLAGS, str(source), "-o", tmp], check=True, capture_output=True, text=True
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The built library of csrc/<name>.cpp, or None (logged once) where it cannot be built."""
+    try:
+        return ctypes.CDLL(str(_build(name)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
+        logger.warning("CPU kernel %s unavailable, using the torch reference: %s", name, detail)
+        return None
