@@ -16,6 +16,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.distributed import parallel_state
+from pdserve.kernels.linear import pack_linear_weights
 from pdserve.models import loader
 from pdserve.models.utils import KVCacheGeometry, kv_cache_geometry
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
@@ -65,6 +66,7 @@ class ModelRunnerBase:
     def load_model(self) -> None:
         mc = self.model_config
         self.model = loader.load_model(mc.hf_config, mc.source, self.dtype, self.device)
+        pack_linear_weights(self.model, self.max_num_reqs)
         # Read now: runner V2 may later wrap the model in its CUDA graphs.
         self.kv_cache_geometry = kv_cache_geometry(self.model)
 

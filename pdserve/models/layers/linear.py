@@ -8,7 +8,6 @@ checkpoints unchanged at any TP size.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.parallel_state import (
@@ -16,6 +15,7 @@ from pdserve.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from pdserve.kernels.linear import linear
 from pdserve.models.utils import default_weight_loader, shard_tensor
 
 
@@ -45,12 +45,14 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # Set after loading where the weight can be packed (kernels/linear.py).
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -153,7 +155,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        out = tensor_model_parallel_all_reduce(linear(x, self.weight, None, self.packed_weight))
         # Added after the sum, so that the bias counts once rather than once per rank.
         return out if self.bias is None else out + self.bias

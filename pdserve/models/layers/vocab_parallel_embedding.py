@@ -12,6 +12,7 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pdserve.kernels.linear import linear
 from pdserve.models.utils import default_weight_loader
 
 
@@ -34,6 +35,8 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(per_partition, embedding_dim, dtype=params_dtype), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
+        # Set after loading where the weight can be packed for the LM head (kernels/linear.py).
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.dim() != 2 or loaded.shape[0] != self.num_embeddings:
@@ -55,7 +58,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 of hidden states [N, embedding_dim], as an LM head."""
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()
