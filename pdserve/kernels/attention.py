@@ -124,7 +124,8 @@ def _cpu_kernel() -> ctypes._CFuncPtr | None:
     if lib is None:
         return None
     fn = lib.pdserve_paged_attention
-    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, ctypes.c_int64, ctypes.POINTER(_Geometry)]
+    pointers = [ctypes.c_void_p] * 6
+    fn.argtypes = [ctypes.c_int, *pointers, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Geometry)]
     fn.restype = None
     return fn
 
@@ -176,6 +177,7 @@ def paged_attention_cpu(
         seq_lens.data_ptr(),
         out.data_ptr(),
         md.num_reqs,
+        torch.get_num_threads(),
         ctypes.byref(geometry),
     )
     return out

@@ -46,10 +46,11 @@ struct Geometry {
 template <typename K>
 void attend(const typename K::T* query, const typename K::T* cache, const int32_t* block_table,
             const int32_t* query_start_loc, const int32_t* seq_lens, typename K::T* out,
-            int64_t num_reqs, const Geometry& g) {
+            int64_t num_reqs, int num_threads, const Geometry& g) {
   using T = typename K::T;
   const int64_t group = g.num_heads / g.num_kv_heads, dim = g.head_dim;
-#pragma omp parallel
+  // Torch's thread count, passed in: the OpenMP default of the calling thread may differ.
+#pragma omp parallel num_threads(num_threads)
   {
   std::vector<float> q(group * dim), acc(group * dim), scores, row(dim);
 #pragma omp for schedule(dynamic)
@@ -111,12 +112,12 @@ void attend(const typename K::T* query, const typename K::T* cache, const int32_
 extern "C" void pdserve_paged_attention(int dtype, const void* query, const void* cache,
                                         const int32_t* block_table, const int32_t* query_start_loc,
                                         const int32_t* seq_lens, void* out, int64_t num_reqs,
-                                        const Geometry* g) {
+                                        int num_threads, const Geometry* g) {
   if (dtype == 0)
     attend<F32>(static_cast<const float*>(query), static_cast<const float*>(cache), block_table,
-                query_start_loc, seq_lens, static_cast<float*>(out), num_reqs, *g);
+                query_start_loc, seq_lens, static_cast<float*>(out), num_reqs, num_threads, *g);
   else
     attend<BF16>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(cache),
                  block_table, query_start_loc, seq_lens, static_cast<uint16_t*>(out), num_reqs,
-                 *g);
+                 num_threads, *g);
 }
