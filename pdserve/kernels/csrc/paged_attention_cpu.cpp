@@ -10,6 +10,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -17,6 +20,9 @@ struct F32 {
   using T = float;
   static float load(T x) { return x; }
   static T store(float f) { return f; }
+#ifdef __AVX512F__
+  static __m512 load16(const T* p) { return _mm512_loadu_ps(p); }
+#endif
 };
 
 struct BF16 {
@@ -28,13 +34,50 @@ struct BF16 {
     return f;
   }
   static T store(float f) {  // round to nearest even, as torch rounds
-    if (std::isnan(f)) return 0x7fc0;
     uint32_t bits;
     std::memcpy(&bits, &f, 4);
+    // NaN tested on the bits: fast math assumes there is none.
+    if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;
     bits += 0x7fff + ((bits >> 16) & 1);
     return T(bits >> 16);
   }
+#ifdef __AVX512F__
+  static __m512 load16(const T* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+#endif
 };
+
+// Scores of `n` (<= 4) consecutive keys, `stride` elements apart, against `group` query heads,
+// into scores[h * scores_stride + i]. Several keys at once keep independent sums in flight: one
+// dot product's horizontal sum alone would leave the core waiting.
+template <typename K>
+inline void score_keys(const float* q, const typename K::T* key, int64_t stride, int64_t n,
+                       int64_t group, int64_t dim, float* scores, int64_t scores_stride) {
+#ifdef __AVX512F__
+  if (dim % 16 == 0) {
+    for (int64_t h = 0; h < group; ++h) {
+      const float* qh = q + h * dim;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(qh + d);
+        for (int64_t i = 0; i < n; ++i)
+          acc[i] = _mm512_fmadd_ps(qv, K::load16(key + i * stride + d), acc[i]);
+      }
+      for (int64_t i = 0; i < n; ++i) scores[h * scores_stride + i] = _mm512_reduce_add_ps(acc[i]);
+    }
+    return;
+  }
+#endif
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t i = 0; i < n; ++i) {
+      float s = 0.f;
+      for (int64_t d = 0; d < dim; ++d) s += q[h * dim + d] * K::load(key[i * stride + d]);
+      scores[h * scores_stride + i] = s;
+    }
+}
 
 struct Geometry {
   int64_t num_heads, num_kv_heads, head_dim, block_size;
@@ -52,7 +95,7 @@ void attend(const typename K::T* query, const typename K::T* cache, const int32_
   // Torch's thread count, passed in: the OpenMP default of the calling thread may differ.
 #pragma omp parallel num_threads(num_threads)
   {
-  std::vector<float> q(group * dim), acc(group * dim), scores, row(dim);
+  std::vector<float> q(group * dim), acc(group * dim), scores, row(4 * dim);
 #pragma omp for schedule(dynamic)
   for (int64_t item = 0; item < num_reqs * g.num_kv_heads; ++item) {
     const int64_t req = item / g.num_kv_heads, kv_head = item % g.num_kv_heads;
@@ -66,35 +109,61 @@ void attend(const typename K::T* query, const typename K::T* cache, const int32_
         const T* src = query + token * g.stride_q_token + (kv_head * group + h) * dim;
         for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = K::load(src[d]) * g.scale;
       }
-      // Keys once each, converted once, scored against every query head of the group.
-      for (int64_t t = 0; t < num_keys; ++t) {
-        const T* key = cache + int64_t(table[t / g.block_size]) * g.stride_block +
-                       (t % g.block_size) * g.stride_slot + kv_head * dim;
-        for (int64_t d = 0; d < dim; ++d) row[d] = K::load(key[d]);
-        for (int64_t h = 0; h < group; ++h) {
-          const float* qh = &q[h * dim];
-          float s = 0.f;
-          for (int64_t d = 0; d < dim; ++d) s += qh[d] * row[d];
-          scores[h * num_keys + t] = s;
+      // Keys once each, scored against every query head of the group. Block by block: a
+      // division per key would cost more than its dot products.
+      for (int64_t t = 0, b = 0; t < num_keys; ++b) {
+        const T* key = cache + int64_t(table[b]) * g.stride_block + kv_head * dim;
+        for (const int64_t end = std::min(t + g.block_size, num_keys); t < end;) {
+          const int64_t n = std::min<int64_t>(4, end - t);
+          // Converted once here, not once per query head.
+          for (int64_t i = 0; i < n; ++i, key += g.stride_slot)
+            for (int64_t d = 0; d < dim; ++d) row[i * dim + d] = K::load(key[d]);
+          score_keys<F32>(q.data(), row.data(), dim, n, group, dim, &scores[t], num_keys);
+          t += n;
         }
       }
       for (int64_t h = 0; h < group; ++h) {
         float* s = &scores[h * num_keys];
         const float max = *std::max_element(s, s + num_keys);
+        // Apart from the sum, so that the exponentials vectorize (glibc's libmvec).
+#pragma omp simd
+        for (int64_t t = 0; t < num_keys; ++t) s[t] = std::exp(s[t] - max);
         float sum = 0.f;
-        for (int64_t t = 0; t < num_keys; ++t) sum += (s[t] = std::exp(s[t] - max));
+        for (int64_t t = 0; t < num_keys; ++t) sum += s[t];
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < num_keys; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < num_keys; ++t) {
-        const T* value = cache + int64_t(table[t / g.block_size]) * g.stride_block + g.stride_kv +
-                         (t % g.block_size) * g.stride_slot + kv_head * dim;
-        for (int64_t d = 0; d < dim; ++d) row[d] = K::load(value[d]);
-        for (int64_t h = 0; h < group; ++h) {
-          const float p = scores[h * num_keys + t];
-          float* a = &acc[h * dim];
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
+#ifdef __AVX512F__
+      // 16 columns at a time over all keys, the group's sums in registers.
+      if (dim % 16 == 0 && group <= 8) {
+        for (int64_t c = 0; c < dim; c += 16) {
+          __m512 sums[8];
+          for (int64_t h = 0; h < group; ++h) sums[h] = _mm512_setzero_ps();
+          for (int64_t t = 0, b = 0; t < num_keys; ++b) {
+            const T* value = cache + int64_t(table[b]) * g.stride_block + g.stride_kv +
+                             kv_head * dim + c;
+            for (const int64_t end = std::min(t + g.block_size, num_keys); t < end; ++t) {
+              const __m512 v = K::load16(value);
+              value += g.stride_slot;
+              for (int64_t h = 0; h < group; ++h)
+                sums[h] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * num_keys + t]), v, sums[h]);
+            }
+          }
+          for (int64_t h = 0; h < group; ++h) _mm512_storeu_ps(&acc[h * dim + c], sums[h]);
+        }
+      } else
+#endif
+      for (int64_t t = 0, b = 0; t < num_keys; ++b) {
+        const T* value = cache + int64_t(table[b]) * g.stride_block + g.stride_kv + kv_head * dim;
+        for (const int64_t end = std::min(t + g.block_size, num_keys); t < end; ++t) {
+          for (int64_t d = 0; d < dim; ++d) row[d] = K::load(value[d]);
+          value += g.stride_slot;
+          for (int64_t h = 0; h < group; ++h) {
+            const float p = scores[h * num_keys + t];
+            float* a = &acc[h * dim];
+            for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
+          }
         }
       }
       for (int64_t h = 0; h < group; ++h) {

@@ -35,6 +35,12 @@ def test_mixed_batch_matches_reference(dtype: torch.dtype, group: int, head_dim:
     _check(*_batch(MIXED, group=group, head_dim=head_dim, dtype=dtype, num_padding_tokens=2))
 
 
+def test_shapes_off_the_vector_path() -> None:
+    # Head size not a multiple of 16 and groups over 8 take the kernel's scalar loops.
+    _check(*_batch(MIXED, group=10, head_dim=24))
+    _check(*_batch(MIXED, group=9, head_dim=64, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_decodes_over_many_blocks(block_size: int) -> None:
     _check(*_batch([(1, 150), (1, 0), (1, 31), (1, 32), (1, 33)], block_size=block_size))
