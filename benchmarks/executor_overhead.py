@@ -44,11 +44,7 @@ class NoOpWorker(Worker):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         req_ids = list(scheduler_output.num_scheduled_tokens)
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
-        )
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[7] for _ in req_ids])
 
 
 def decode_step(num_reqs: int, step: int) -> SchedulerOutput:

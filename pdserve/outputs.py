@@ -32,16 +32,56 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         )
 
 
-class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    req_ids: list[str]
-    req_id_to_index: dict[str, int]
-    # One list per request: empty for a request in the middle of a chunked prefill.
-    sampled_token_ids: list[list[int]]
-    logprobs: LogprobsLists | None = None
-    kv_connector_output: KVConnectorOutput | None = None
+class ModelRunnerOutput:
+    """One step of the runner: row i is `req_ids[i]`, in the runner's batch order.
+
+    `sampled_token_ids[i]` lists the tokens request i sampled: empty in the middle of a chunked
+    prefill. Not a msgspec Struct: its wire form (executor/wire.py) packs the tokens and leaves
+    out `req_id_to_index`, which is derived from `req_ids` when first read.
+    """
+
+    __slots__ = ("req_ids", "sampled_token_ids", "logprobs", "kv_connector_output", "_index")
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        sampled_token_ids: list[list[int]],
+        logprobs: LogprobsLists | None = None,
+        kv_connector_output: KVConnectorOutput | None = None,
+        *,
+        req_id_to_index: dict[str, int] | None = None,  # when the caller has it already
+    ) -> None:
+        self.req_ids = req_ids
+        self.sampled_token_ids = sampled_token_ids
+        self.logprobs = logprobs
+        self.kv_connector_output = kv_connector_output
+        self._index = req_id_to_index
+
+    @property
+    def req_id_to_index(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = dict(zip(self.req_ids, range(len(self.req_ids))))
+        return self._index
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ModelRunnerOutput):
+            return NotImplemented
+        return (
+            self.req_ids == other.req_ids
+            and self.sampled_token_ids == other.sampled_token_ids
+            and self.logprobs == other.logprobs
+            and self.kv_connector_output == other.kv_connector_output
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelRunnerOutput(req_ids={self.req_ids!r}, "
+            f"sampled_token_ids={self.sampled_token_ids!r}, logprobs={self.logprobs!r}, "
+            f"kv_connector_output={self.kv_connector_output!r})"
+        )
 
 
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -6,8 +6,10 @@ worker answers on its own (one reader). Messages that do not fit a chunk go over
 
 Waiting: a reader that just received something spins on the chunk flag for a short while (the
 next step usually follows within microseconds), then blocks on a ZMQ notification socket, so an
-idle instance uses no CPU. The writer notifies after every write; a reader re-checks the flag
-after each wake-up, so a lost or early notification only costs one poll period.
+idle instance uses no CPU. A ZMQ send wakes two I/O threads, so the writer notifies only readers
+that said they may sleep: a reader raises its `sleeping` flag, spins a little longer (long enough
+for the writer to see the flag, whatever the memory ordering), and only then blocks. A reader
+re-checks the chunk flag after each wake-up, so an early notification costs nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+from collections.abc import Callable
 from multiprocessing import shared_memory
 
 import msgspec
@@ -25,6 +28,8 @@ from pdserve.executor.zmq_utils import bind_socket, make_ipc_address
 _HEADER = struct.Struct("<q")  # payload length; -1 = the payload went over the overflow socket
 _OVERFLOW = -1
 _SPIN_SECONDS = 0.05
+# Spinning after raising the sleeping flag: a store reaches other cores in well under this.
+_ANNOUNCE_SECONDS = 0.005
 _POLL_MS = 1000  # only a safety net: readers are woken by the notify socket
 
 
@@ -59,7 +64,9 @@ class MessageQueue:
         self.slot_bytes = self.meta_bytes + _HEADER.size + chunk_bytes
         self.shm: shared_memory.SharedMemory | None = None
         if num_local_readers:
-            self.shm = shared_memory.SharedMemory(create=True, size=self.slot_bytes * num_chunks)
+            # [sleeping_0, ..., sleeping_n-1], then the chunks.
+            size = num_local_readers + self.slot_bytes * num_chunks
+            self.shm = shared_memory.SharedMemory(create=True, size=size)
             self.shm.buf[:] = bytes(len(self.shm.buf))
         # XPUB rather than PUB: it reports each subscription, so wait_until_ready() can hold the
         # first message until every reader is connected (PUB drops what precedes a subscriber).
@@ -133,7 +140,7 @@ class MessageQueue:
             self.remote.send(payload, copy=False)
         if self.shm is None:
             return
-        buf, base = self.shm.buf, self.index * self.slot_bytes
+        buf, base = self.shm.buf, self._chunk_offset()
         # The chunk is free once every reader has read it (or it was never written).
         self._wait(lambda: buf[base] == 0 or all(buf[base + 1 : base + self.meta_bytes]))
         start = base + self.meta_bytes
@@ -146,7 +153,8 @@ class MessageQueue:
             self.overflow.send(payload, copy=False)
         buf[base + 1 : base + self.meta_bytes] = bytes(self.num_local_readers)
         buf[base] = 1  # published last: a reader that sees it sees the payload
-        self.notify.send(b"")
+        if any(buf[: self.num_local_readers]):
+            self.notify.send(b"")
         self.index = (self.index + 1) % self.num_chunks
 
     # ---- reader ----------------------------------------------------------------------------
@@ -158,7 +166,7 @@ class MessageQueue:
             if not self.remote.poll(None if timeout is None else int(timeout * 1000)):
                 raise TimeoutError("No message within the timeout.")
             return self.remote.recv()
-        buf, base = self.shm.buf, self.index * self.slot_bytes
+        buf, base = self.shm.buf, self._chunk_offset()
         flag = base + 1 + self.reader_rank
         self._wait(lambda: buf[base] == 1 and buf[flag] == 0, timeout)
         start = base + self.meta_bytes
@@ -172,30 +180,42 @@ class MessageQueue:
         self.index = (self.index + 1) % self.num_chunks
         return payload
 
-    def _wait(self, ready, timeout: float | None = None) -> None:
+    def _chunk_offset(self) -> int:
+        return self.num_local_readers + self.index * self.slot_bytes
+
+    def _wait(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
         """Spin briefly, then sleep on the notification socket until `ready()` holds."""
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        while not ready():
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise TimeoutError("No message within the timeout.")
-            if now - start < _SPIN_SECONDS:
-                # Yield while spinning: on a machine with fewer cores than processes, a spinning
-                # reader must not take the core its writer needs.
+        sleeping = False
+        try:
+            while not ready():
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError("No message within the timeout.")
+                if self.is_writer:
+                    if now - start >= _SPIN_SECONDS:
+                        time.sleep(0.0005)  # readers are behind: rare, and never while idle
+                        continue
+                elif now - start >= _SPIN_SECONDS and not sleeping:
+                    sleeping = True
+                    self.shm.buf[self.reader_rank] = 1  # from now on the writer notifies
+                elif now - start >= _SPIN_SECONDS + _ANNOUNCE_SECONDS:
+                    wait_ms = (
+                        _POLL_MS
+                        if deadline is None
+                        else max(1, min(_POLL_MS, int((deadline - now) * 1000)))
+                    )
+                    if self.notify.poll(wait_ms):
+                        while self.notify.poll(0):
+                            self.notify.recv()
+                    continue
+                # Yield while spinning: on a machine with fewer cores than processes, a
+                # spinning reader must not take the core its writer needs.
                 os.sched_yield()
-                continue
-            if self.is_writer:
-                time.sleep(0.0005)  # readers are behind: rare, and never while idle
-                continue
-            wait_ms = (
-                _POLL_MS
-                if deadline is None
-                else max(1, min(_POLL_MS, int((deadline - now) * 1000)))
-            )
-            if self.notify.poll(wait_ms):
-                while self.notify.poll(0):
-                    self.notify.recv()
+        finally:
+            if sleeping:
+                self.shm.buf[self.reader_rank] = 0
 
     def close(self) -> None:
         if self.shm is not None:

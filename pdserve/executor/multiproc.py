@@ -1,9 +1,10 @@
 """MultiprocExecutor: one spawned worker process per rank, driven over shared-memory queues.
 
 Each call is broadcast to every worker through one MessageQueue; each worker answers on its own.
-A response thread resolves futures strictly in submission order; a monitor thread notices a dead
-worker, marks the executor failed, shuts it down and calls the failure callback once.
-See docs/executors.md.
+A response thread resolves futures strictly in submission order; a blocking call sent while no
+other call is unresolved reads its replies itself (a hand-over between threads costs more than
+the step's messages). A monitor thread notices a dead worker, marks the executor failed, shuts
+it down and calls the failure callback once. See docs/executors.md.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class WorkerHandle:
 class _PendingCall:
     future: Future
     method: str
+    args: tuple[Any, ...]  # a result is decoded against its call's arguments
     ranks: list[int]
     single: bool
 
@@ -59,6 +61,10 @@ class MultiprocExecutor(Executor):
         self.workers: list[WorkerHandle] = []
         self._pending: queue.Queue[_PendingCall | None] = queue.Queue()
         self._send_lock = threading.Lock()
+        # Held by the thread that reads the response queues: the response thread, or a caller
+        # reading its own replies. Calls sent and not resolved yet, under _send_lock:
+        self._recv_lock = threading.Lock()
+        self._num_unresolved = 0
         self.rpc_broadcast_mq: MessageQueue | None = MessageQueue(num_local_readers=self.world_size)
         try:
             self._start_workers()
@@ -121,24 +127,47 @@ class MultiprocExecutor(Executor):
         check_method(self.worker_cls, method)
         payload = encode_call(method, args, kwargs or {}, unique_reply_rank)
         ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
-        future: Future = Future()
+        call = _PendingCall(Future(), method, args, ranks, unique_reply_rank is not None)
         with self._send_lock:  # a call's place in the queue is its place in every response order
-            self._pending.put(_PendingCall(future, method, ranks, unique_reply_rank is not None))
             self.rpc_broadcast_mq.enqueue(payload)
-        return self._await(future, method, timeout, non_block)
+            # Nothing unresolved: no thread reads the response queues, so this one may. A call
+            # with a timeout leaves its replies to the response thread, which reads them all.
+            direct = not non_block and timeout is None and self._num_unresolved == 0
+            self._num_unresolved += 1
+            if direct:
+                self._recv_lock.acquire()
+            else:
+                self._pending.put(call)
+        if direct:
+            try:
+                return self._read_replies(call)
+            finally:
+                self._recv_lock.release()
+                self._call_resolved()
+        return self._await(call.future, method, timeout, non_block)
+
+    def _read_replies(self, call: _PendingCall) -> Any:
+        # Every rank's reply is read before any error is raised: a reply left in a queue would
+        # be taken as the answer to the next call.
+        replies = [(rank, decode_reply(self._dequeue(self.workers[rank]))) for rank in call.ranks]
+        results = decode_results(self.worker_cls, call.method, replies, call.args)
+        return results[0] if call.single else results
+
+    def _call_resolved(self) -> None:
+        with self._send_lock:
+            self._num_unresolved -= 1
 
     def _resolve_responses(self) -> None:
         while (call := self._pending.get()) is not None:
             try:
-                # Every rank's reply is read before any error is raised: a reply left in a
-                # queue would be taken as the answer to the next call.
-                replies = [
-                    (rank, decode_reply(self._dequeue(self.workers[rank]))) for rank in call.ranks
-                ]
-                results = decode_results(self.worker_cls, call.method, replies)
-                call.future.set_result(results[0] if call.single else results)
+                with self._recv_lock:
+                    result = self._read_replies(call)
             except Exception as e:
+                self._call_resolved()
                 call.future.set_exception(e)
+            else:
+                self._call_resolved()  # before waking the caller, whose next call may read
+                call.future.set_result(result)
 
     def _dequeue(self, worker: WorkerHandle) -> bytes:
         while True:

@@ -72,6 +72,7 @@ class RayWorkerHandle:
 class _PendingCall:
     future: Future[Any]
     method: str
+    args: tuple[Any, ...]  # a result is decoded against its call's arguments
     refs: list[tuple[int, ray.ObjectRef]]  # (rank, reply) of the ranks that reply
     single: bool
 
@@ -222,7 +223,11 @@ class RayExecutor(Executor):
             refs = [w.actor.call.remote(payload) for w in self.workers]
             self._pending.put(
                 _PendingCall(
-                    future, method, [(r, refs[r]) for r in ranks], unique_reply_rank is not None
+                    future,
+                    method,
+                    args,
+                    [(r, refs[r]) for r in ranks],
+                    unique_reply_rank is not None,
                 )
             )
         return self._await(future, method, timeout, non_block)
@@ -234,7 +239,7 @@ class RayExecutor(Executor):
                     (rank, decode_reply(self._get(rank, ref, call.method)))
                     for rank, ref in call.refs
                 ]
-                results = decode_results(Worker, call.method, replies)
+                results = decode_results(Worker, call.method, replies, call.args)
                 call.future.set_result(results[0] if call.single else results)
             except Exception as e:
                 call.future.set_exception(e)

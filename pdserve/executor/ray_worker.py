@@ -48,14 +48,14 @@ class RayWorker:
         try:
             call = decode_call(payload)
             args, kwargs = decode_args(Worker, call)
-            return encode_reply(True, getattr(self.worker, call.method)(*args, **kwargs))
+            return encode_reply(True, getattr(self.worker, call.method)(*args, **kwargs), args)
         except msgspec.DecodeError as e:
             # Answered rather than dropped: the executor waits for a reply to every call.
             logger.exception("Rank %d could not decode a call", self.rank)
-            return encode_reply(False, f"DecodeError: {e}")
+            return encode_reply(False, f"DecodeError: {e}", ())
         except Exception as e:
             logger.exception("Rank %d failed in a call", self.rank)
-            return encode_reply(False, f"{type(e).__name__}: {e}")
+            return encode_reply(False, f"{type(e).__name__}: {e}", ())
 
     @ray.method(concurrency_group="monitor")
     def wait_for_death(self) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 
-import msgspec
 import torch
 import torch.distributed as dist
 
@@ -129,7 +128,9 @@ class Worker:
             connector.get_worker_stats() or None,
         )
         # A step with nothing scheduled returns the shared empty output: never mutate it.
-        return msgspec.structs.replace(output, kv_connector_output=kv_output)
+        return ModelRunnerOutput(
+            output.req_ids, output.sampled_token_ids, output.logprobs, kv_output
+        )
 
     def check_health(self) -> None:
         return None

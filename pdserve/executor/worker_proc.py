@@ -68,11 +68,14 @@ def _busy_loop(worker: Worker, rank: int, broadcast: MessageQueue, response: Mes
         except msgspec.DecodeError:
             logger.exception("Rank %d dropped a message it could not decode", rank)
             continue
+        replies = call.output_rank is None or call.output_rank == rank
         try:
             args, kwargs = decode_args(type(worker), call)
-            result, ok = getattr(worker, call.method)(*args, **kwargs), True
+            result = getattr(worker, call.method)(*args, **kwargs)
+            # Encoded here too: a result that cannot be encoded fails the call, not the loop.
+            reply = encode_reply(True, result, args) if replies else b""
         except Exception as e:
             logger.exception("Rank %d failed in %s", rank, call.method)
-            result, ok = f"{type(e).__name__}: {e}", False
-        if call.output_rank is None or call.output_rank == rank:
-            response.enqueue(encode_reply(ok, result))
+            reply = encode_reply(False, f"{type(e).__name__}: {e}", ())
+        if replies:
+            response.enqueue(reply)

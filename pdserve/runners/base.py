@@ -173,7 +173,6 @@ class ModelRunnerBase:
             logprobs = _scatter_logprobs(logprobs, sampling_req_ids, req_ids)
         return ModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
             logprobs=logprobs,
         )

@@ -54,6 +54,33 @@ def test_collective_rpc(executor):
     assert [f.result(30) for f in futures] == [[64] * tp] * 5
 
 
+def test_calls_from_several_threads_get_their_own_replies(executor):
+    """Blocking calls read their replies themselves while nothing else is unresolved, and
+    queue behind the response thread otherwise: either way each gets its own answer."""
+    tp = executor.world_size
+    results: dict[str, list] = {"blocks": [], "health": [], "futures": []}
+
+    def blocks() -> None:
+        for _ in range(20):
+            results["blocks"].append(executor.collective_rpc("determine_num_blocks"))
+
+    def health() -> None:
+        for _ in range(20):
+            results["health"].append(executor.collective_rpc("check_health"))
+            future = executor.collective_rpc("determine_num_blocks", non_block=True)
+            results["futures"].append(future)
+
+    threads = [threading.Thread(target=blocks), threading.Thread(target=health)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results["blocks"] == [[64] * tp] * 20
+    assert results["health"] == [[None] * tp] * 20
+    assert [f.result(30) for f in results["futures"]] == [[64] * tp] * 20
+    assert executor.collective_rpc("determine_num_blocks", unique_reply_rank=0) == 64
+
+
 def test_rpc_errors_fail_the_call_not_the_worker(executor):
     with pytest.raises(ValueError, match="no RPC method"):
         executor.collective_rpc("no_such_method")
