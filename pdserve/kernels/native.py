@@ -82,3 +82,15 @@ def load(name: str) -> ctypes.CDLL | None:
         detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
         logger.warning("CPU kernel %s unavailable, using the torch reference: %s", name, detail)
         return None
+
+
+@functools.cache
+def function(name: str, symbol: str, *argtypes: type) -> ctypes._CFuncPtr | None:
+    """`symbol` of csrc/<name>.cpp with its argument types, or None where it cannot be built."""
+    lib = load(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes = list(argtypes)
+    fn.restype = None
+    return fn

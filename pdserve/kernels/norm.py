@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import backend
+from pdserve.kernels import backend, elementwise_cpu
 
 if backend.HAS_TRITON:
     import triton
@@ -117,6 +117,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of x, scaled by weight."""
     if backend.use_triton(x.device):
         return rms_norm_triton(x, weight, eps)
+    if (cpu := elementwise_cpu.rms_norm(x, None, weight, eps)) is not None:
+        return cpu[0]
     return rms_norm_torch(x, weight, eps)
 
 
@@ -126,4 +128,6 @@ def fused_add_rms_norm(
     """(rms_norm(residual + x), residual + x): the next layer's input and its residual."""
     if backend.use_triton(x.device):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
+    if (cpu := elementwise_cpu.rms_norm(x, residual, weight, eps)) is not None:
+        return cpu  # type: ignore[return-value]
     return fused_add_rms_norm_torch(x, residual, weight, eps)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import backend
+from pdserve.kernels import backend, elementwise_cpu
 
 if backend.HAS_TRITON:
     import triton
@@ -159,4 +159,6 @@ def rotary_embedding(
     [T] (int64, each below the table's max_position)."""
     if backend.use_triton(query.device):
         return rotary_embedding_triton(positions, query, key, cos_sin_cache)
+    if (cpu := elementwise_cpu.rotary_embedding(positions, query, key, cos_sin_cache)) is not None:
+        return cpu
     return rotary_embedding_torch(positions, query, key, cos_sin_cache)

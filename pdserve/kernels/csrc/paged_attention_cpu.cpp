@@ -36,10 +36,10 @@ struct BF16 {
   static T store(float f) {  // round to nearest even, as torch rounds
     uint32_t bits;
     std::memcpy(&bits, &f, 4);
-    // NaN tested on the bits: fast math assumes there is none.
-    if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return T(bits >> 16);
+    // NaN tested on the bits (fast math assumes there is none), without a branch, so that
+    // loops of stores vectorize.
+    const uint32_t rounded = bits + 0x7fff + ((bits >> 16) & 1);
+    return T(((bits & 0x7fffffff) > 0x7f800000 ? 0x7fc00000u : rounded) >> 16);
   }
 #ifdef __AVX512F__
   static __m512 load16(const T* p) {

@@ -6,11 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import elementwise_cpu
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up for x = [gate | up] along the last dimension (gate_up_proj's output)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (out := elementwise_cpu.silu_and_mul(x)) is not None:
+            return out
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

@@ -1,0 +1,150 @@
+// The small kernels between the matmuls of a decoder layer, each one pass over its rows where
+// the torch reference takes five to ten: RMSNorm (with the residual add before it), rotary
+// embedding, SiLU-and-mul. They round where the reference rounds (after every operation in
+// the activation dtype), so they differ from it only in the order of the variance sum and in
+// the last bit of SiLU's exp.
+// Built and loaded by pdserve/kernels/native.py; rows split over torch's OpenMP threads.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+struct F32 {
+  using T = float;
+  static float load(T x) { return x; }
+  static T store(float f) { return f; }
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static float load(T x) {
+    uint32_t bits = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static T store(float f) {  // round to nearest even, as torch rounds
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    // NaN tested on the bits (fast math assumes there is none), without a branch, so that
+    // loops of stores vectorize.
+    const uint32_t rounded = bits + 0x7fff + ((bits >> 16) & 1);
+    return T(((bits & 0x7fffffff) > 0x7f800000 ? 0x7fc00000u : rounded) >> 16);
+  }
+};
+
+// One operation in the activation dtype: computed in float, rounded back.
+template <typename K>
+inline float rounded(float f) {
+  return K::load(K::store(f));
+}
+
+template <typename K>
+void rms_norm(const typename K::T* x, const typename K::T* residual, const typename K::T* weight,
+              typename K::T* out, typename K::T* residual_out, int64_t rows, int64_t hidden,
+              int64_t stride_x, int64_t stride_residual, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const typename K::T* xr = x + r * stride_x;
+    typename K::T* o = out + r * hidden;
+    float sum = 0.f;
+    if (residual != nullptr) {
+      const typename K::T* rr = residual + r * stride_residual;
+      typename K::T* ro = residual_out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) {
+        ro[i] = K::store(K::load(rr[i]) + K::load(xr[i]));
+        const float v = K::load(ro[i]);
+        sum += v * v;
+      }
+      xr = ro;
+    } else {
+      for (int64_t i = 0; i < hidden; ++i) sum += K::load(xr[i]) * K::load(xr[i]);
+    }
+    const float inv = 1.f / std::sqrt(sum / float(hidden) + eps);
+    for (int64_t i = 0; i < hidden; ++i)
+      o[i] = K::store(K::load(weight[i]) * rounded<K>(K::load(xr[i]) * inv));
+  }
+}
+
+// x * cos + roll(x, head_dim / 2) * sin per head, the sign of sin folded into the table.
+template <typename K>
+void rotate(const int64_t* positions, const typename K::T* src, typename K::T* dst,
+            const typename K::T* cos_sin, int64_t tokens, int64_t heads, int64_t head_dim,
+            int64_t stride_token, int64_t stride_head, int num_threads) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const typename K::T* cos = cos_sin + positions[t] * 2 * head_dim;
+    const typename K::T* sin = cos + head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const typename K::T* x = src + t * stride_token + h * stride_head;
+      typename K::T* o = dst + (t * heads + h) * head_dim;
+      // Two halves, so that the roll is an offset rather than a modulo per element.
+      for (int64_t d = 0; d < half; ++d)
+        o[d] = K::store(rounded<K>(K::load(x[d]) * K::load(cos[d])) +
+                        rounded<K>(K::load(x[d + half]) * K::load(sin[d])));
+      for (int64_t d = half; d < head_dim; ++d)
+        o[d] = K::store(rounded<K>(K::load(x[d]) * K::load(cos[d])) +
+                        rounded<K>(K::load(x[d - half]) * K::load(sin[d])));
+    }
+  }
+}
+
+template <typename K>
+void silu_and_mul(const typename K::T* x, typename K::T* out, int64_t rows, int64_t d,
+                  int64_t stride_x, int num_threads) {
+#pragma omp parallel for num_threads(num_threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const typename K::T* gate = x + r * stride_x;
+    const typename K::T* up = gate + d;
+    typename K::T* o = out + r * d;
+    for (int64_t i = 0; i < d; ++i) {
+      const float g = K::load(gate[i]);
+      o[i] = K::store(rounded<K>(g / (1.f + std::exp(-g))) * K::load(up[i]));
+    }
+  }
+}
+
+}  // namespace
+
+// dtype: 0 float32, 1 bfloat16. `residual` may be null (then `residual_out` is unused).
+extern "C" void pdserve_rms_norm(int dtype, const void* x, const void* residual,
+                                 const void* weight, void* out, void* residual_out, int64_t rows,
+                                 int64_t hidden, int64_t stride_x, int64_t stride_residual,
+                                 float eps, int num_threads) {
+  if (dtype == 0)
+    rms_norm<F32>(static_cast<const float*>(x), static_cast<const float*>(residual),
+                  static_cast<const float*>(weight), static_cast<float*>(out),
+                  static_cast<float*>(residual_out), rows, hidden, stride_x, stride_residual, eps,
+                  num_threads);
+  else
+    rms_norm<BF16>(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(residual),
+                   static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out),
+                   static_cast<uint16_t*>(residual_out), rows, hidden, stride_x, stride_residual,
+                   eps, num_threads);
+}
+
+extern "C" void pdserve_rotary(int dtype, const int64_t* positions, const void* src, void* dst,
+                               const void* cos_sin, int64_t tokens, int64_t heads,
+                               int64_t head_dim, int64_t stride_token, int64_t stride_head,
+                               int num_threads) {
+  if (dtype == 0)
+    rotate<F32>(positions, static_cast<const float*>(src), static_cast<float*>(dst),
+                static_cast<const float*>(cos_sin), tokens, heads, head_dim, stride_token,
+                stride_head, num_threads);
+  else
+    rotate<BF16>(positions, static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst),
+                 static_cast<const uint16_t*>(cos_sin), tokens, heads, head_dim, stride_token,
+                 stride_head, num_threads);
+}
+
+extern "C" void pdserve_silu_and_mul(int dtype, const void* x, void* out, int64_t rows, int64_t d,
+                                     int64_t stride_x, int num_threads) {
+  if (dtype == 0)
+    silu_and_mul<F32>(static_cast<const float*>(x), static_cast<float*>(out), rows, d, stride_x,
+                      num_threads);
+  else
+    silu_and_mul<BF16>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, d,
+                       stride_x, num_threads);
+}

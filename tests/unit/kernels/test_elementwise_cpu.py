@@ -1,0 +1,75 @@
+"""The C++ RMSNorm, rotary embedding and SiLU-and-mul (csrc/elementwise_cpu.cpp) against their
+torch references, in bfloat16: they round where the references round, so they agree bit for
+bit, but for SiLU, whose exp may differ from torch's in the last float bit and so round a value
+on a bf16 midpoint the other way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels import elementwise_cpu, native
+from pdserve.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+from pdserve.kernels.rotary import rotary_embedding_torch
+
+pytestmark = pytest.mark.skipif(
+    native.load("elementwise_cpu") is None, reason="no C++ compiler on this machine"
+)
+BF16 = torch.bfloat16
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(BF16)
+
+
+@pytest.mark.parametrize("num_rows", [1, 37, 256])
+def test_rms_norm_alone_and_with_residual(num_rows: int) -> None:
+    x, residual, weight = _randn(num_rows, 576), _randn(num_rows, 576, seed=1), _randn(576, seed=2)
+    out = elementwise_cpu.rms_norm(x, None, weight, 1e-5)
+    assert out is not None and torch.equal(out[0], rms_norm_torch(x, weight, 1e-5))
+    fused = elementwise_cpu.rms_norm(x, residual, weight, 1e-5)
+    expected = fused_add_rms_norm_torch(x, residual, weight, 1e-5)
+    assert fused is not None
+    assert torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1])
+
+
+def test_rms_norm_of_strided_heads() -> None:
+    # Qwen3's per-head q/k norm: heads sliced out of the fused projection.
+    qkv = _randn(5, 6 * 32)
+    q = qkv[:, : 4 * 32].unflatten(-1, (4, 32))
+    weight = _randn(32, seed=3)
+    out = elementwise_cpu.rms_norm(q, None, weight, 1e-6)
+    assert out is not None and torch.equal(out[0], rms_norm_torch(q, weight, 1e-6))
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_matches_reference(head_dim: int) -> None:
+    qkv = _randn(9, 12 * head_dim)
+    query = qkv[:, : 8 * head_dim].unflatten(-1, (8, head_dim))
+    key = qkv[:, 8 * head_dim : 10 * head_dim].unflatten(-1, (2, head_dim))
+    table = _randn(50, 2, head_dim, seed=4)
+    positions = torch.tensor([0, 3, 49, 7, 7, 1, 20, 30, 2])
+    out = elementwise_cpu.rotary_embedding(positions, query, key, table)
+    expected = rotary_embedding_torch(positions, query, key, table)
+    assert out is not None
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
+
+
+@pytest.mark.parametrize("num_rows", [1, 64])
+def test_silu_and_mul_matches_reference(num_rows: int) -> None:
+    x = _randn(num_rows, 2 * 1536) * 4
+    out = elementwise_cpu.silu_and_mul(x)
+    assert out is not None
+    expected = F.silu(x[:, :1536]) * x[:, 1536:]
+    # One step of bf16 (2**-8 relative) in silu, one more in the product.
+    torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=2**-6)
+    assert (out != expected).float().mean() < 0.01
+
+
+def test_float32_and_forced_torch_run_the_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3, 8)
+    assert elementwise_cpu.rms_norm(x, None, torch.ones(8), 1e-5) is None
+    assert elementwise_cpu.silu_and_mul(x) is None
+    monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "torch")
+    assert elementwise_cpu.silu_and_mul(x.to(BF16)) is None
