@@ -113,7 +113,10 @@ def test_greedy_tokens_match_pdserve_on_the_gguf(folder: Path) -> None:
     assert _hf_greedy(folder, prompts) == expected
 
 
-def test_cli_writes_bfloat16_weights(folder: Path, tmp_path: Path) -> None:
+def test_cli_writes_bfloat16_weights(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_LOG_LEVEL", "WARNING")  # the CLI sets it; restored after the test
     output = tmp_path / "bf16"
     assert cli_main(["export", "--output", str(output), "--dtype", "bfloat16"]) == 0
     assert AutoConfig.from_pretrained(output).dtype == torch.bfloat16
