@@ -222,11 +222,15 @@ def main() -> None:
 
     runs: list[dict] = []
     print(
-        f"{'round':<7}{'engine':<9}{'start-up s':>11}{'warm-up s':>11}{'generate s':>12}{'tok/s':>9}"
+        f"{'round':<7}{'engine':<9}{'start-up s':>11}{'warm-up s':>11}{'generate s':>12}"
+        f"{'tok/s':>9}{'load':>7}"
     )
     for round_ in range(1, args.rounds + 1):
         for engine in ENGINES:
-            log = args.cache_dir / "logs" / f"vs_vllm-{engine}-{round_}.log"
+            log = args.cache_dir / "logs" / f"vs_vllm-{model.name}-{engine}-{round_}.log"
+            # The machine's 1-minute load average as the run starts: on shared cores, the
+            # context of each figure.
+            load = os.getloadavg()[0]
             result = run_engine(
                 engine,
                 {**job, "engine_args": engine_args(engine, model, args)},
@@ -235,10 +239,10 @@ def main() -> None:
                 log,
             )
             assert result["num_tokens"] == args.num_prompts * args.output_len, result["num_tokens"]
-            runs.append({**result, "round": round_})
+            runs.append({**result, "round": round_, "load": load})
             print(
                 f"{round_:<7}{engine:<9}{result['startup_s']:>11.1f}{result['warmup_s']:>11.2f}"
-                f"{result['generate_s']:>12.2f}{result['tok_s']:>9.1f}",
+                f"{result['generate_s']:>12.2f}{result['tok_s']:>9.1f}{load:>7.1f}",
                 flush=True,
             )
 
@@ -288,6 +292,7 @@ def main() -> None:
                 "rounds": args.rounds,
                 "threads": args.threads,
                 "vllm_version": first["vllm"]["version"],
+                "sources": {engine: first[engine]["source"] for engine in ENGINES},
                 "vllm_mode": mode,
                 "pdserve_tok_s": round(median["pdserve"]["tok_s"], 1),
                 "vllm_tok_s": round(median["vllm"]["tok_s"], 1),
@@ -305,7 +310,14 @@ def main() -> None:
                         "engine": r["engine"],
                         **{
                             k: round(r[k], 3)
-                            for k in ("startup_s", "import_s", "warmup_s", "generate_s", "tok_s")
+                            for k in (
+                                "startup_s",
+                                "import_s",
+                                "warmup_s",
+                                "generate_s",
+                                "tok_s",
+                                "load",
+                            )
                         },
                     }
                     for r in runs

@@ -32,13 +32,13 @@ def run(job: dict) -> dict:
         import vllm
         from vllm import LLM, SamplingParams
 
-        version = vllm.__version__
+        version, source = vllm.__version__, vllm.__file__
     else:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import pdserve
         from pdserve import LLM, SamplingParams
 
-        version = pdserve.__version__
+        version, source = pdserve.__version__, pdserve.__file__
     imported_at = time.time()
     llm = LLM(**job["engine_args"])
     ready_at = time.time()
@@ -64,6 +64,7 @@ def run(job: dict) -> dict:
     return {
         "engine": job["engine"],
         "version": version,
+        "source": str(Path(source).parent),  # which checkout or environment ran
         "startup_s": ready_at - job["launched_at"],
         "import_s": imported_at - job["launched_at"],
         "warmup_s": warmup_s,

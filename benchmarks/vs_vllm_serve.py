@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -89,7 +90,7 @@ def server_command(engine: str, model: Path, port: int, args: argparse.Namespace
 def bench_server(engine: str, model: Path, round_: int, args: argparse.Namespace) -> dict:
     port = get_open_port()
     base_url = f"http://127.0.0.1:{port}"
-    log = args.cache_dir / "logs" / f"vs_vllm_serve-{engine}-{round_}.log"
+    log = args.cache_dir / "logs" / f"vs_vllm_serve-{model.name}-{engine}-{round_}.log"
     with open(log, "w") as out:
         launched = time.perf_counter()
         # Its own process group, so that stop_server reaches the server's engine processes too.
@@ -113,6 +114,7 @@ def bench_server(engine: str, model: Path, round_: int, args: argparse.Namespace
             )
             if warmup["failed"]:
                 raise RuntimeError(f"{engine}'s warm-up request failed: {warmup['errors']}")
+            load = os.getloadavg()[0]  # the context of the figures on shared cores
             result = asyncio.run(
                 benchmark(
                     base_url,
@@ -130,7 +132,7 @@ def bench_server(engine: str, model: Path, round_: int, args: argparse.Namespace
     if result["failed"]:
         print_log_tail(log)
         raise RuntimeError(f"{engine}: {result['failed']} requests failed: {result['errors'][:3]}")
-    return {**result, "engine": engine, "round": round_, "startup_s": startup_s}
+    return {**result, "engine": engine, "round": round_, "startup_s": startup_s, "load": load}
 
 
 def main() -> None:
@@ -155,7 +157,11 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         for engine in ENGINES:
             result = bench_server(engine, model, round_, args)
-            print(f"{engine} round {round_}: healthy after {result['startup_s']:.1f} s", flush=True)
+            print(
+                f"{engine} round {round_}: healthy after {result['startup_s']:.1f} s; "
+                f"load {result['load']:.1f} when the benchmark started",
+                flush=True,
+            )
             results.append(result)
 
     print(format_table(results))
