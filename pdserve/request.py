@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from typing import Any
 
@@ -82,36 +83,43 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens
-        self._output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(prompt_token_ids)
-        # Chained hashes of the full blocks of `_all_token_ids`, filled by the KV cache manager.
+        # Plain attributes, not properties: the scheduler reads them for every request and
+        # step. append_output_token_ids (or the scheduler's inlined copy) keeps num_tokens.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens
+        # Filters for the stop check, so that a token that ends nothing costs two comparisons:
+        # the tokens that may stop the request (check_stop applies min_tokens and says why),
+        # and the length at which it ends (prompt + max_tokens; the scheduler caps it at
+        # max_model_len).
+        self.stop_token_candidates = frozenset(
+            (sampling_params.stop_token_ids or [])
+            + ([] if sampling_params.ignore_eos or eos_token_id is None else [eos_token_id])
+        )
+        self.max_num_tokens = self.num_prompt_tokens + (
+            sys.maxsize if self.max_tokens is None else self.max_tokens
+        )
+        # Chained hashes of the full blocks of `all_token_ids`, filled by the KV cache manager.
         self.block_hashes: list[bytes] = []
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        # Owned by the KV cache manager: while computed + scheduled tokens stay below this,
+        # the request's blocks have every slot it needs and no block of it is to be cached.
+        self.next_kv_boundary = 0
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self._output_token_ids
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self._all_token_ids
+        """A copy: the tokens generated so far."""
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self._output_token_ids.extend(token_ids)
-        self._all_token_ids.extend(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            self.all_token_ids += token_ids
+        self.num_tokens = len(self.all_token_ids)
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -61,6 +61,24 @@ class FreeKVCacheBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The `num_blocks` least recently freed blocks, unlinked in one pass."""
+        assert num_blocks <= self.num_free_blocks, "not enough free blocks"
+        head = self.fake_head
+        blocks = []
+        block = head.next_free_block
+        for _ in range(num_blocks):
+            assert block is not None
+            blocks.append(block)
+            next_block = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = next_block
+        assert block is not None
+        head.next_free_block = block
+        block.prev_free_block = head
+        self.num_free_blocks -= num_blocks
+        return blocks
+
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
         assert prev is not None and nxt is not None, f"block {block.block_id} is not free"
@@ -129,9 +147,7 @@ class BlockPool:
             index[block_hash] = block
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        assert num_blocks <= self.free_block_queue.num_free_blocks, "not enough free blocks"
-        popleft = self.free_block_queue.popleft
-        blocks = [popleft() for _ in range(num_blocks)]
+        blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             if block.block_hash is not None:
                 self.evict_cached_block(block)

@@ -65,49 +65,68 @@ class KVCacheManager:
         """
         assert num_new_tokens > 0 or num_external_computed_tokens > 0
         req_id = request.request_id
+        block_size = self.block_size
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if num_new_computed_tokens or num_external_computed_tokens:
+            num_tokens += num_new_computed_tokens + num_external_computed_tokens
+        num_slots = num_tokens + num_lookahead_tokens if num_lookahead_tokens else num_tokens
+        if num_slots > self.max_model_len:
+            num_slots = self.max_model_len
         req_blocks = self.req_to_blocks.get(req_id)
-        num_computed_tokens = (
-            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
-        )
-        num_tokens = num_computed_tokens + num_new_tokens
-        num_held_slots = len(req_blocks) * self.block_size if req_blocks is not None else 0
-        if num_tokens + num_lookahead_tokens <= num_held_slots:
-            # The common case, a decode whose last block still has room: nothing to allocate.
-            assert not new_computed_blocks, "prefix hits come only with a request's first blocks"
-            new_blocks = []
-        else:
-            num_tokens_need_slot = min(num_tokens + num_lookahead_tokens, self.max_model_len)
-            num_required_blocks = -(-num_tokens_need_slot // self.block_size)
-            new_blocks = self._allocate_new_blocks(
-                req_id, num_required_blocks, new_computed_blocks, reserved_blocks
+        if req_blocks is None:
+            new_blocks = self._allocate_first_blocks(
+                req_id, num_slots, new_computed_blocks, reserved_blocks
             )
             if new_blocks is None:
                 return None
-        if self.enable_caching and not delay_cache_blocks:
+            req_blocks = self.req_to_blocks[req_id]
+        else:
+            assert not new_computed_blocks, "prefix hits come only with a request's first blocks"
+            # A decode whose last block still has room needs nothing.
+            new_blocks = []
+            num_blocks_to_allocate = -(-num_slots // block_size) - len(req_blocks)
+            if num_blocks_to_allocate > 0:
+                num_free_blocks = self.block_pool.free_block_queue.num_free_blocks
+                if num_blocks_to_allocate > num_free_blocks - reserved_blocks:
+                    return None
+                new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
+                req_blocks += new_blocks
+        # The first token count that needs a slot the request lacks, or (below) fills a block
+        # not cached yet: until then the scheduler need not call here.
+        boundary = len(req_blocks) * block_size + 1
+        if self.enable_caching:
+            num_cached_blocks = self.num_cached_block.get(req_id, 0)
             # Blocks are cached once scheduled, before the forward fills them: a request that
             # hits them in the same step reads them after this step's KV writes. Only known
             # tokens are hashed: not lookahead slots, nor (async scheduling) the tokens that
             # steps in flight sample; update_from_output caches those blocks once they are known.
-            num_known_tokens = min(num_tokens, request.num_tokens)
-            if num_known_tokens // self.block_size > self.num_cached_block.get(req_id, 0):
-                self.cache_blocks(request, num_known_tokens)
+            num_known_tokens = request.num_tokens
+            if num_tokens < num_known_tokens:
+                num_known_tokens = num_tokens
+            num_full_blocks = num_known_tokens // block_size
+            if num_full_blocks > num_cached_blocks and not delay_cache_blocks:
+                self.block_hasher(request)
+                self.block_pool.cache_full_blocks(
+                    request.block_hashes, req_blocks, num_cached_blocks, num_full_blocks
+                )
+                self.num_cached_block[req_id] = num_cached_blocks = num_full_blocks
+            next_full_block = (num_cached_blocks + 1) * block_size
+            if next_full_block < boundary:
+                boundary = next_full_block
+        request.next_kv_boundary = boundary
         return new_blocks
 
-    def _allocate_new_blocks(
+    def _allocate_first_blocks(
         self,
         req_id: str,
-        num_required_blocks: int,
+        num_slots: int,
         new_computed_blocks: list[KVCacheBlock] | None,
         reserved_blocks: int,
     ) -> list[KVCacheBlock] | None:
-        """Grow the request's block table to `num_required_blocks`, prefix hits first."""
-        req_blocks = self.req_to_blocks.get(req_id)
-        num_blocks_to_allocate = num_required_blocks
+        """The block table of a request that holds none: prefix hits first, then new blocks."""
+        num_blocks_to_allocate = -(-num_slots // self.block_size)
         num_evictable_hits = 0
-        if req_blocks is not None:
-            assert not new_computed_blocks, "prefix hits come only with a request's first blocks"
-            num_blocks_to_allocate -= len(req_blocks)
-        elif new_computed_blocks:
+        if new_computed_blocks:
             assert self.enable_caching
             num_blocks_to_allocate -= len(new_computed_blocks)
             # Hits on free blocks leave the free queue when touched: they count too.
@@ -115,31 +134,36 @@ class KVCacheManager:
         num_free_blocks = self.block_pool.get_num_free_blocks() - reserved_blocks
         if num_blocks_to_allocate + num_evictable_hits > num_free_blocks:
             return None
-        if req_blocks is None:
-            # Created only now, so that a failed admission leaves no entry behind.
-            req_blocks = self.req_to_blocks[req_id] = []
-            if new_computed_blocks:
-                self.block_pool.touch(new_computed_blocks)
-                req_blocks.extend(new_computed_blocks)
-                self.num_cached_block[req_id] = len(new_computed_blocks)
+        # Created only now, so that a failed admission leaves no entry behind.
+        req_blocks = self.req_to_blocks[req_id] = []
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks += new_computed_blocks
+            self.num_cached_block[req_id] = len(new_computed_blocks)
         if num_blocks_to_allocate <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
-        req_blocks.extend(new_blocks)
+        req_blocks += new_blocks
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Index the request's blocks that the first `num_computed_tokens` tokens fill."""
-        num_full_blocks = num_computed_tokens // self.block_size
+        assert self.enable_caching
+        block_size = self.block_size
+        num_full_blocks = num_computed_tokens // block_size
         req_id = request.request_id
         num_cached_blocks = self.num_cached_block.get(req_id, 0)
         if num_full_blocks <= num_cached_blocks:
             return
+        req_blocks = self.req_to_blocks[req_id]
         self.block_hasher(request)
         self.block_pool.cache_full_blocks(
-            request.block_hashes, self.req_to_blocks[req_id], num_cached_blocks, num_full_blocks
+            request.block_hashes, req_blocks, num_cached_blocks, num_full_blocks
         )
         self.num_cached_block[req_id] = num_full_blocks
+        request.next_kv_boundary = min(
+            len(req_blocks) * block_size + 1, (num_full_blocks + 1) * block_size
+        )
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first.
@@ -148,6 +172,7 @@ class KVCacheManager:
         that will not run (the request was preempted in the step that scheduled it): their
         KV is incomplete, so they leave the prefix cache.
         """
+        request.next_kv_boundary = 0
         blocks = self.req_to_blocks.pop(request.request_id, None)
         num_cached_blocks = self.num_cached_block.pop(request.request_id, 0)
         if not blocks:

@@ -10,6 +10,7 @@ import msgspec
 from pdserve.request import Request
 
 _encode = msgspec.msgpack.Encoder().encode
+_sha256 = hashlib.sha256
 
 # Parent of the first block. A constant rather than vLLM's per-process random value, so that
 # every process (and every instance) computes the same hash for the same tokens.
@@ -19,7 +20,7 @@ NONE_HASH: bytes = hashlib.sha256(b"pdserve.prefix_cache.none_hash").digest()
 def hash_block_tokens(parent_block_hash: bytes | None, block_token_ids: Sequence[int]) -> bytes:
     """sha256 of (parent hash, tokens): equal hashes mean equal whole prefixes, not just blocks."""
     parent = NONE_HASH if parent_block_hash is None else parent_block_hash
-    return hashlib.sha256(_encode((parent, block_token_ids))).digest()
+    return _sha256(_encode((parent, block_token_ids))).digest()
 
 
 def request_block_hasher(block_size: int) -> Callable[[Request], None]:
@@ -27,13 +28,14 @@ def request_block_hasher(block_size: int) -> Callable[[Request], None]:
 
     def hash_new_full_blocks(request: Request) -> None:
         block_hashes = request.block_hashes
-        start = len(block_hashes) * block_size
-        token_ids = request.all_token_ids
-        if start + block_size > len(token_ids):
+        first_end = (len(block_hashes) + 1) * block_size
+        if first_end > request.num_tokens:
             return
-        parent = block_hashes[-1] if block_hashes else None
-        for end in range(start + block_size, len(token_ids) + 1, block_size):
-            parent = hash_block_tokens(parent, token_ids[end - block_size : end])
+        token_ids = request.all_token_ids
+        # hash_block_tokens, inlined: a decode step hashes one block in every block_size.
+        parent = block_hashes[-1] if block_hashes else NONE_HASH
+        for end in range(first_end, request.num_tokens + 1, block_size):
+            parent = _sha256(_encode((parent, token_ids[end - block_size : end]))).digest()
             block_hashes.append(parent)
 
     return hash_new_full_blocks

@@ -1,52 +1,41 @@
 """The scheduler: which requests run this step, how many tokens each, and what came out of it.
 
-Continuous batching with no prefill or decode phases: every request has `num_computed_tokens`
-and `num_tokens`, and each step hands out a token budget so that the former catches up, running
-requests first, then waiting ones (vLLM V1, `vllm/v1/core/sched/scheduler.py`). The step's
-SchedulerOutput is built in output_builder.py; its results are processed in output_processor.py;
-requests whose KV loads from a peer are parked and promoted in kv_transfer.py.
-
-Async scheduling (vLLM's AsyncScheduler, folded in): a step that samples leaves a placeholder
-token that the next schedule() counts; see docs/async_scheduling.md.
+Continuous batching with no prefill or decode phases: each step hands out a token budget so
+that every request's `num_computed_tokens` catches up with its `num_tokens`, running requests
+first, then waiting ones (vLLM V1, `vllm/v1/core/sched/scheduler.py`). One class owns
+schedule(), update_from_output(), finish_requests() and preemption; the helpers it composes
+own their state: the KV cache manager, the request queues, the parked remote-KV requests
+(remote_kv.py), the admission of waiting requests (admission.py). The SchedulerOutput is a
+pure function of the step's decisions (output_builder.py), and `_update_after_schedule`
+advances the requests after it. Async scheduling (vLLM's AsyncScheduler, folded in): a step
+that samples leaves a placeholder token that the next schedule() counts (docs/async_scheduling.md).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
 from pdserve.config import CacheConfig, SchedulerConfig
-from pdserve.request import Request, RequestStatus
-from pdserve.scheduler.block_pool import KVCacheBlock
+from pdserve.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
+from pdserve.request import FinishReason, Request, RequestStatus
+from pdserve.scheduler.admission import Admissions, WaitingAdmission
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
-from pdserve.scheduler.kv_transfer import SchedulerKVTransferMixin
 from pdserve.scheduler.output import SchedulerOutput
-from pdserve.scheduler.output_builder import SchedulerOutputBuilderMixin
-from pdserve.scheduler.output_processor import SchedulerOutputProcessorMixin
-from pdserve.scheduler.request_queue import SchedulingPolicy, create_request_queue
+from pdserve.scheduler.output_builder import build_scheduler_output
+from pdserve.scheduler.remote_kv import RemoteKVRequests
+from pdserve.scheduler.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from pdserve.scheduler.sampled_tokens import apply_sampled_tokens, attach_logprobs, sampled_rows
+from pdserve.scheduler.stats import SchedulerStats
+from pdserve.scheduler.step import StepDecisions, StepsInFlight
 
 logger = logging.getLogger(__name__)
 
 
-class SchedulerStats(msgspec.Struct, array_like=True):
-    """A snapshot sent to the front end with every batch of outputs (feeds /metrics)."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_preemptions: int  # cumulative
-    prefix_cache_queries: int  # cumulative, in tokens
-    prefix_cache_hits: int  # cumulative, in tokens
-    # Free blocks == num_blocks - 1 (the null block) means nothing is held: tests assert it.
-    num_free_blocks: int
-    num_blocks: int
-
-
-class Scheduler(
-    SchedulerOutputBuilderMixin, SchedulerOutputProcessorMixin, SchedulerKVTransferMixin
-):
+class Scheduler:
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -69,12 +58,17 @@ class Scheduler(
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, max_model_len, cache_config.enable_prefix_caching
         )
+        self.remote_kv = RemoteKVRequests(self.policy, self.kv_cache_manager, kv_connector)
+        self.admission = WaitingAdmission(
+            self.kv_cache_manager,
+            self.remote_kv,
+            kv_connector,
+            self.policy,
+            self.enable_chunked_prefill,
+        )
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
-        # Requests that cannot be scheduled yet (waiting for a KV transfer, or for the
-        # connector to decide); looked at before `waiting` each step.
-        self.skipped_waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Ids finished / preempted since the last step. Rebound (never cleared) after each
         # schedule(): the SchedulerOutput just built holds the old set objects.
@@ -82,8 +76,21 @@ class Scheduler(
         self.reset_preempted_req_ids: set[str] = set()
         # Runner V1 only: requests not scheduled in the previous step get all their tokens.
         self.prev_step_scheduled_req_ids: set[str] = set()
-        self.finished_recving_kv_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # The requests of each step in flight, in num_scheduled_tokens order, so that
+        # update_from_output need not look each one up. Steps end in the order they started;
+        # more than a few in flight fall back to the lookups.
+        self._steps_in_flight = StepsInFlight()
+
+    @property
+    def skipped_waiting(self) -> RequestQueue:
+        """Requests that cannot be scheduled yet (waiting for a KV transfer, or for the
+        connector to decide); looked at before `waiting` each step."""
+        return self.remote_kv.skipped_waiting
+
+    @property
+    def finished_recving_kv_req_ids(self) -> set[str]:
+        return self.remote_kv.finished_recving_kv_req_ids
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -91,173 +98,134 @@ class Scheduler(
         # The engine rejects prompts longer than max_model_len before they get here.
         assert request.num_prompt_tokens <= self.max_model_len, "prompt longer than max_model_len"
         self.requests[request.request_id] = request
+        # One comparison in the stop check covers both length limits.
+        request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            self.skipped_waiting.add_request(request)
+            self.remote_kv.add(request)
         else:
             self.waiting.add_request(request)
 
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_scheduled_tokens
         num_scheduled_tokens: dict[str, int] = {}
-        req_to_new_blocks: dict[str, list[KVCacheBlock]] = {}
-        scheduled_running_reqs: list[Request] = []
-        scheduled_new_reqs: list[Request] = []
-        scheduled_resumed_reqs: list[Request] = []
+        new_block_ids: dict[str, list[int]] = {}
         preempted = False
         allocate_slots = self.kv_cache_manager.allocate_slots
-        max_len_cap = self.max_model_len - 1
+        running_status = RequestStatus.RUNNING
 
         # 1. Running requests, in admission order: decodes and unfinished prefill chunks alike.
+        # Victims of preemption stay in the list until the loop ends, then leave it.
         running = self.running
-        req_index = 0
-        while req_index < len(running) and token_budget > 0:
-            request = running[req_index]
-            num_computed = request.num_computed_tokens
-            num_placeholders = request.num_output_placeholders
-            if (
-                num_placeholders
-                and request.max_tokens is not None
-                and (request.num_output_tokens + num_placeholders >= request.max_tokens)
-            ):
-                # Async: the steps in flight already sample the last token max_tokens allows.
-                req_index += 1
+        for request in running:
+            if preempted and request.status != running_status:
                 continue
-            # Placeholders count as tokens: the runner feeds the one it sampled itself.
-            num_new_tokens = request.num_tokens + num_placeholders - num_computed
+            num_computed = request.num_computed_tokens
+            num_tokens = request.num_tokens
+            if num_placeholders := request.num_output_placeholders:
+                # Placeholders count as tokens: the runner feeds the one it sampled itself.
+                num_tokens += num_placeholders
+                if num_tokens >= request.max_num_tokens:
+                    # The steps in flight already sample the last token the request may have.
+                    continue
+            # At least 1: every step leaves a running request a token to compute (a placeholder
+            # when it sampled). No sampled token passes max_model_len: a request ends at
+            # max_num_tokens <= max_model_len, and the check above keeps steps in flight from
+            # sampling past it (a prompt of max_model_len tokens is computed whole, then ends).
+            num_new_tokens = num_tokens - num_computed
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
-            # The sampled token must land below max_model_len; only a prompt of exactly
-            # max_model_len tokens may still be computed whole (it then ends LENGTH_CAPPED).
-            if num_new_tokens > max_len_cap - num_computed:
-                num_new_tokens = max(max_len_cap, request.num_prompt_tokens) - num_computed
-            if num_new_tokens <= 0:
-                req_index += 1
-                continue
-            while (new_blocks := allocate_slots(request, num_new_tokens)) is None:
-                # Preempt by recompute until the request fits, or it is the victim itself.
-                if self.policy is SchedulingPolicy.PRIORITY:
-                    victim_index = max(
-                        range(len(running)),
-                        key=lambda i: (running[i].priority, running[i].arrival_time),
-                    )
-                    victim = running.pop(victim_index)
-                    if victim_index < req_index:
-                        req_index -= 1
+                if num_new_tokens <= 0:
+                    continue
+                num_tokens = num_computed + num_new_tokens
+            if num_tokens >= request.next_kv_boundary:
+                # Below the boundary (most decode steps) allocate_slots would do nothing.
+                while (new_blocks := allocate_slots(request, num_new_tokens)) is None:
+                    # Preempt by recompute until the request fits, or it is the victim itself.
+                    victim = self._select_victim(running)
                     if victim.request_id in num_scheduled_tokens:
                         # Already scheduled this step: it gives its tokens back.
-                        scheduled_running_reqs.remove(victim)
                         token_budget += num_scheduled_tokens.pop(victim.request_id)
-                        del req_to_new_blocks[victim.request_id]
-                else:
-                    victim = running.pop()
-                self._preempt_request(victim)
-                preempted = True
-                if victim is request:
+                        new_block_ids.pop(victim.request_id, None)
+                    self._preempt_request(victim)
+                    preempted = True
+                    if victim is request:
+                        break
+                if new_blocks is None:
                     break
-            if new_blocks is None:
-                break
-            scheduled_running_reqs.append(request)
-            req_to_new_blocks[request.request_id] = new_blocks
+                if new_blocks:
+                    new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-            req_index += 1
+        # Usually every running request got tokens (once the budget is spent, the rest get 0).
+        if len(num_scheduled_tokens) == len(running):
+            scheduled_running_reqs = running.copy()
+        else:
+            scheduled_running_reqs = [r for r in running if r.request_id in num_scheduled_tokens]
 
         # 2. Waiting requests, unless this step preempted: what was just freed goes to the
         # preempted requests first, not to newcomers.
-        if not preempted:
-            token_budget = self._schedule_waiting(
-                token_budget, num_scheduled_tokens, scheduled_new_reqs, scheduled_resumed_reqs
+        admissions = Admissions([], [], [], token_budget)
+        if preempted:
+            self.running = running = [r for r in running if r.status == running_status]
+        elif self.waiting or self.remote_kv:
+            admissions = self.admission.admit(
+                self.waiting,
+                token_budget,
+                self.max_num_running_reqs - len(running),
+                num_scheduled_tokens,
             )
-        assert token_budget >= 0 and len(self.running) <= self.max_num_running_reqs
-        return self._make_output(
-            num_scheduled_tokens,
-            req_to_new_blocks,
-            scheduled_running_reqs,
-            scheduled_new_reqs,
-            scheduled_resumed_reqs,
+            running += admissions.admitted
+        token_budget = admissions.token_budget
+        assert token_budget >= 0 and len(running) <= self.max_num_running_reqs
+
+        step = StepDecisions(
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
+            running_reqs=scheduled_running_reqs,
+            new_block_ids=new_block_ids,
+            admitted_reqs=admissions.admitted,
+            new_reqs=admissions.new_reqs,
+            resumed_reqs=admissions.resumed_reqs,
         )
-
-    def _schedule_waiting(
-        self,
-        token_budget: int,
-        num_scheduled_tokens: dict[str, int],
-        scheduled_new_reqs: list[Request],
-        scheduled_resumed_reqs: list[Request],
-    ) -> int:
-        """Admit waiting requests while budget, seats and blocks last; returns the budget left."""
-        kv_cache_manager = self.kv_cache_manager
-        reserved_blocks = self._num_reserved_blocks()
-        step_skipped = create_request_queue(self.policy)
-        while (self.waiting or self.skipped_waiting) and token_budget > 0:
-            if len(self.running) >= self.max_num_running_reqs:
-                break
-            queue = self._select_waiting_queue()
-            request = queue.peek_request()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if not self._update_waiting_for_remote_kv(request):
-                    step_skipped.add_request(queue.pop_request())
-                    continue
-
-            match = self._match_computed_tokens(request)
-            if match is None:  # the connector cannot tell yet: ask next step
-                step_skipped.add_request(queue.pop_request())
-                continue
-            new_computed_blocks, num_local_computed, num_external_tokens, load_kv_async = match
-            num_computed_tokens = request.num_computed_tokens + num_local_computed
-            num_computed_tokens += num_external_tokens
-            num_new_tokens = 0
-            if not load_kv_async:
-                num_new_tokens = request.num_tokens - num_computed_tokens
-                if num_new_tokens > token_budget:
-                    if not self.enable_chunked_prefill:
-                        break  # the prompt waits for a step with room for all of it
-                    num_new_tokens = token_budget
-                assert num_new_tokens > 0
-            # Parked loads keep their blocks to come free (minus this request's own). An async
-            # load is admitted only if the rest of its prompt fits too: two loads that each hold
-            # part of the pool could otherwise wait for each other's blocks forever.
-            own_reserved = self._num_blocks_to_complete(request)
-            margin = self._num_blocks_short(request, num_computed_tokens) if load_kv_async else 0
-            new_blocks = kv_cache_manager.allocate_slots(
-                request,
-                num_new_tokens,
-                num_new_computed_tokens=num_local_computed,
-                new_computed_blocks=new_computed_blocks,
-                num_external_computed_tokens=num_external_tokens,
-                delay_cache_blocks=load_kv_async,
-                reserved_blocks=reserved_blocks - own_reserved + margin,
+        scheduler_output = build_scheduler_output(
+            step,
+            self.use_v2_model_runner,
+            self.kv_cache_manager.get_block_ids,
+            self.finished_req_ids,
+            self.reset_preempted_req_ids,
+            self.prev_step_scheduled_req_ids,
+        )
+        if self.connector is not None:
+            scheduler_output.kv_connector_metadata = msgspec.msgpack.encode(
+                self.connector.build_connector_meta(scheduler_output)
             )
-            if new_blocks is None:
-                break  # waiting requests never preempt
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(
-                    request, kv_cache_manager.get_blocks(request.request_id), num_external_tokens
-                )
-            queue.pop_request()
-            reserved_blocks += margin - own_reserved
-            if load_kv_async:
-                # Parked until the worker reports the transfer done; counted as computed now.
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                request.num_computed_tokens = num_computed_tokens
-                step_skipped.add_request(request)
-                continue
+        scheduled_reqs = step.scheduled_reqs
+        self._update_after_schedule(step, scheduled_reqs)
+        self._steps_in_flight.push(scheduler_output, scheduled_reqs)
+        return scheduler_output
 
-            self.running.append(request)
-            if request.status == RequestStatus.WAITING:
-                scheduled_new_reqs.append(request)
-            elif request.status == RequestStatus.PREEMPTED:
-                scheduled_resumed_reqs.append(request)
-            else:
-                raise RuntimeError(f"Invalid request status: {request.status!r}")
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed_tokens
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-        if step_skipped:
-            self.skipped_waiting.prepend_requests(step_skipped)
-        return token_budget
+    def _update_after_schedule(self, step: StepDecisions, scheduled_reqs: list[Request]) -> None:
+        """The output holds the numbers from before this step; now the step is taken as done."""
+        for request, num_tokens in zip(
+            scheduled_reqs, step.num_scheduled_tokens.values(), strict=True
+        ):
+            num_computed = request.num_computed_tokens + num_tokens
+            request.num_computed_tokens = num_computed
+            # A step that reaches every token, known or in flight, samples one more.
+            if num_computed - request.num_tokens == request.num_output_placeholders:
+                request.num_output_placeholders += 1
+        if not self.use_v2_model_runner:
+            self.prev_step_scheduled_req_ids = set(step.num_scheduled_tokens)
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
+
+    def _select_victim(self, running: list[Request]) -> Request:
+        """The running request to preempt next: under FCFS the most recently admitted, under
+        priority the worst (highest value, latest arrival)."""
+        candidates = [r for r in running if r.status == RequestStatus.RUNNING]
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt_request(self, request: Request) -> None:
         """Recompute preemption: drop the blocks (their hashes stay cached) and queue it first."""
@@ -274,8 +242,100 @@ class Scheduler(
         self.reset_preempted_req_ids.add(request.request_id)
         logger.debug("Preempted request %s.", request.request_id)
 
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, finish the requests they end, and report both.
+
+        Async scheduling: each token replaces a placeholder. Tokens of requests that finished
+        while the step was in flight, and of requests preempted since, are dropped.
+        """
+        rows = sampled_rows(
+            self._steps_in_flight.pop(scheduler_output),
+            scheduler_output.num_scheduled_tokens,
+            model_runner_output,
+            self.requests,
+        )
+        outputs, stopped = apply_sampled_tokens(rows, self.kv_cache_manager, self.max_model_len)
+        if stopped:
+            for request, output in stopped:
+                output.kv_transfer_params = self._free_request(request)
+            ended = {request for request, _ in stopped}
+            self.running = [r for r in self.running if r not in ended]
+        if model_runner_output.logprobs is not None:
+            attach_logprobs(outputs, model_runner_output)
+        if model_runner_output.kv_connector_output is not None:
+            outputs += self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
+        return outputs
+
+    def _update_from_kv_xfer_finished(
+        self, kv_connector_output: KVConnectorOutput
+    ) -> list[EngineCoreOutput]:
+        """Act on the transfers the workers finished; returns the outputs of requests whose
+        load failed."""
+        to_free, failed = self.remote_kv.update_from_kv_xfer_finished(
+            kv_connector_output, self.requests
+        )
+        for request in to_free:
+            self._free_blocks(request)
+        outputs = []
+        for request, worker_done in failed:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request, delay_free_blocks=not worker_done)
+            outputs.append(
+                EngineCoreOutput(request.request_id, [], finish_reason=int(FinishReason.ERROR))
+            )
+        return outputs
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        """Abort path: finish requests from outside; unknown or finished ids are ignored."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        to_finish = []
+        for req_id in dict.fromkeys(request_ids):
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished():
+                to_finish.append(request)
+        running = {r for r in to_finish if r.status == RequestStatus.RUNNING}
+        if running:
+            self.running = [r for r in self.running if r not in running]
+        waiting = [r for r in to_finish if r.status != RequestStatus.RUNNING]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+            self.remote_kv.remove(waiting)
+        for request in to_finish:
+            delay_free_blocks = False
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                delay_free_blocks = self.remote_kv.finish(request)
+            request.status = finished_status
+            self._free_request(request, delay_free_blocks)
+
+    def _free_request(
+        self, request: Request, delay_free_blocks: bool = False
+    ) -> dict[str, Any] | None:
+        """Finish a request; its blocks wait if the connector still sends (or receives) them."""
+        assert request.is_finished()
+        kv_transfer_params = None
+        if self.connector is not None:
+            delay, kv_transfer_params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id)
+            )
+            delay_free_blocks |= delay
+        self.finished_req_ids.add(request.request_id)
+        if not delay_free_blocks:
+            self._free_blocks(request)
+        return kv_transfer_params
+
+    def _free_blocks(self, request: Request) -> None:
+        assert request.is_finished()
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
+        return len(self.waiting) + len(self.remote_kv) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -287,7 +347,7 @@ class Scheduler(
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.skipped_waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.remote_kv),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,

@@ -116,6 +116,26 @@ def test_no_step_once_the_steps_in_flight_reach_max_tokens(
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
+@pytest.mark.parametrize("depth", [2, 3])
+def test_steps_in_flight_stop_at_max_model_len(make_scheduler: MakeScheduler, depth: int) -> None:
+    """No step samples a token past max_model_len, with steps in flight as without: the
+    request ends there, and no step is scheduled for a position beyond it."""
+    scheduler = make_scheduler(max_model_len=12)
+    a = make_request("a", prompt=6, max_tokens=None)
+    scheduler.add_request(a)
+    driver = AsyncDriver(scheduler, depth=depth)
+    steps = []
+    while scheduler.has_unfinished_requests():
+        steps.append(driver.schedule())
+        assert a.num_computed_tokens <= 12
+        if len(driver.queue) == depth or steps[-1].total_num_scheduled_tokens == 0:
+            driver.process()
+    driver.run_to_completion()
+    assert a.output_token_ids == expected_outputs(a, 6)
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert sum(s.total_num_scheduled_tokens for s in steps) == 6 + 5
+
+
 def test_tokens_after_a_stop_are_discarded(make_scheduler: MakeScheduler) -> None:
     scheduler = make_scheduler()
     a = make_request("a", prompt=4, max_tokens=10)

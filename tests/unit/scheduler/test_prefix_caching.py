@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from pdserve.request import Request
 from pdserve.scheduler.block_pool import BlockPool
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
@@ -202,3 +204,29 @@ def test_blocks_of_a_step_that_never_ran_leave_the_cache(pools: list[BlockPool])
     request.num_computed_tokens = 8
     manager.free(request)
     assert len(manager.block_pool.cached_block_hash_to_block) == 2
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_below_the_kv_boundary_allocate_slots_has_nothing_to_do(
+    pools: list[BlockPool], enable_caching: bool
+) -> None:
+    """The scheduler skips allocate_slots while a running request's computed + new tokens stay
+    below its `next_kv_boundary`: there the call would allocate and cache nothing."""
+    manager = make_manager(pools, num_blocks=32, enable_caching=enable_caching)
+    request = make_request("r", prompt=6, max_tokens=None)
+    admit(manager, request)
+    num_skippable = 0
+    for token in range(3 * BLOCK_SIZE + 1):
+        request.append_output_token_ids(100 + token)
+        skippable = request.num_computed_tokens + 1 < request.next_kv_boundary
+        blocks = list(manager.req_to_blocks["r"])
+        num_cached = manager.num_cached_block.get("r", 0)
+        new_blocks = manager.allocate_slots(request, 1)
+        if skippable:
+            num_skippable += 1
+            assert new_blocks == [] and manager.req_to_blocks["r"] == blocks
+            assert manager.num_cached_block.get("r", 0) == num_cached
+        request.num_computed_tokens += 1
+    # Caching adds a boundary per block (the block it fills), besides the one for new blocks.
+    assert num_skippable == 3 * BLOCK_SIZE + 1 - (6 if enable_caching else 3)
+    manager.free(request)

@@ -9,7 +9,9 @@ import pytest
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
 from pdserve.request import FinishReason, RequestStatus
+from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.scheduler import Scheduler
+from pdserve.scheduler.step import StepsInFlight
 
 from .conftest import EOS, make_request, run_to_completion, runner_output, step
 
@@ -242,3 +244,70 @@ def test_budget_defaults_when_the_config_leaves_it_unset() -> None:
         return scheduler.max_num_scheduled_tokens
 
     assert budget(True) == 2048 and budget(False) == 4096
+
+
+def test_request_token_counts_follow_the_outputs(make_scheduler: MakeScheduler) -> None:
+    scheduler = make_scheduler()
+    request = make_request("r", prompt=5, max_tokens=4)
+    prompt = list(request.prompt_token_ids)
+    scheduler.add_request(request)
+    generated = run_to_completion(scheduler, token=lambda r: 100 + r.num_tokens)["r"]
+    assert generated == request.output_token_ids == [105, 106, 107, 108]
+    assert request.all_token_ids == prompt + generated
+    assert (request.num_tokens, request.num_output_tokens) == (9, 4)
+
+
+@pytest.mark.parametrize("runner_order", ["scheduler", "reversed"])
+def test_outputs_follow_the_scheduler_order(
+    make_scheduler: MakeScheduler, runner_order: str
+) -> None:
+    """Whatever order the runner keeps its rows in (runner V1's persistent batch has its own),
+    the outputs come in the scheduler's order with each request's own tokens."""
+    scheduler = make_scheduler()
+    for i in range(3):
+        scheduler.add_request(make_request(i, prompt=4, max_tokens=2))
+    for _ in range(2):
+        out = scheduler.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        if runner_order == "reversed":
+            req_ids.reverse()
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[int(r) + 10] for r in req_ids],
+        )
+        outputs = scheduler.update_from_output(out, mro)
+        assert [(o.request_id, o.new_token_ids) for o in outputs] == [
+            ("0", [10]),
+            ("1", [11]),
+            ("2", [12]),
+        ]
+    assert not scheduler.has_unfinished_requests()
+    scheduler.schedule()
+
+
+def test_an_output_that_never_comes_back_is_forgotten(make_scheduler: MakeScheduler) -> None:
+    """A scheduled step whose output is never processed (its worker failed, or a caller only
+    schedules) does not hold up the steps after it."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", prompt=4, max_tokens=3))
+    step(scheduler)
+    scheduler.schedule()  # its output is dropped: the token it samples never arrives
+    assert scheduler.requests["r"].num_output_placeholders == 1
+    scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    out, outputs = step(scheduler)
+    assert outputs == [] and out.finished_req_ids == {"r"}
+    scheduler.schedule()
+
+
+def test_steps_in_flight_pair_outputs_with_their_requests() -> None:
+    steps = StepsInFlight(maxlen=2)
+    a, b, c = (SchedulerOutput.make_empty() for _ in range(3))
+    reqs_a, reqs_b, reqs_c = ([make_request(name)] for name in "abc")
+    steps.push(a, reqs_a)
+    steps.push(b, reqs_b)
+    assert steps.pop(b) is reqs_b and steps.pop(a) is None  # a never came back: dropped
+    for output, reqs in ((a, reqs_a), (b, reqs_b), (c, reqs_c)):
+        steps.push(output, reqs)
+    assert steps.pop(a) is None  # past maxlen: the oldest is forgotten
+    assert steps.pop(b) is reqs_b and steps.pop(c) is reqs_c

@@ -1,0 +1,136 @@
+"""A step's sampled tokens applied to their requests: append, stop check, the blocks the
+tokens complete, and one EngineCoreOutput each.
+
+Async scheduling: each token replaces a placeholder. Tokens of requests that finished while
+the step was in flight, and of requests preempted since, are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pdserve.outputs import EngineCoreOutput, LogprobsLists, ModelRunnerOutput
+from pdserve.request import Request, RequestStatus
+from pdserve.scheduler.kv_cache_manager import KVCacheManager
+from pdserve.scheduler.stop import append_until_stop, check_stop
+
+
+def sampled_rows(
+    scheduled_reqs: list[Request] | None,
+    num_scheduled_tokens: dict[str, int],
+    model_runner_output: ModelRunnerOutput,
+    requests: dict[str, Request],
+) -> Iterable[tuple[Request | None, list[int]]]:
+    """(request, its sampled tokens) for each request the step scheduled that the runner ran,
+    in the scheduler's order; `scheduled_reqs` are the step's requests if it is in flight."""
+    sampled_token_ids = model_runner_output.sampled_token_ids
+    if scheduled_reqs is not None and model_runner_output.req_ids == list(num_scheduled_tokens):
+        # The runner kept the scheduler's order (runner V2 on decode steps): no lookups.
+        return zip(scheduled_reqs, sampled_token_ids)
+    index = model_runner_output.req_id_to_index
+    return [
+        (requests.get(req_id), sampled_token_ids[i])
+        for req_id in num_scheduled_tokens
+        if (i := index.get(req_id)) is not None
+    ]
+
+
+def apply_sampled_tokens(
+    rows: Iterable[tuple[Request | None, list[int]]],
+    kv_cache_manager: KVCacheManager,
+    max_model_len: int,
+) -> tuple[list[EngineCoreOutput], list[tuple[Request, EngineCoreOutput]]]:
+    """Apply each (request, its sampled tokens) row; None stands for a request that is gone.
+
+    Returns the outputs, in row order, and the requests their tokens ended with their outputs
+    (finish and stop reasons set; freeing them, and their kv_transfer_params, is the caller's).
+    """
+    running_status = RequestStatus.RUNNING
+    outputs: list[EngineCoreOutput] = []
+    append_output = outputs.append
+    stopped: list[tuple[Request, EngineCoreOutput]] = []
+    for request, new_token_ids in rows:
+        if not new_token_ids:
+            continue  # in the middle of a chunked prefill
+        if request is None:
+            continue  # finished while the step ran, and its blocks freed
+        if (
+            request.status is not running_status or request.num_async_tokens_to_discard
+        ) and _drop_stale_token(request):
+            continue
+        num_placeholders = request.num_output_placeholders - 1
+        assert num_placeholders >= 0, "a token the scheduler did not expect"
+        request.num_output_placeholders = num_placeholders
+        try:
+            (token_id,) = new_token_ids  # the norm: one token per request and step
+        except ValueError:
+            new_token_ids, ended = append_until_stop(request, new_token_ids, max_model_len)
+        else:
+            # Request.append_output_token_ids, inlined: this runs for every request and step.
+            request.all_token_ids.append(token_id)
+            num_tokens = request.num_tokens = request.num_tokens + 1
+            # Most tokens end nothing: check_stop runs only when one may (max_num_tokens is
+            # capped at max_model_len).
+            ended = (
+                token_id in request.stop_token_candidates or num_tokens >= request.max_num_tokens
+            ) and check_stop(request, max_model_len)
+        # Blocks of tokens known only now: schedule() cached every known token, so only a step
+        # that had others in flight can have left some; those the steps still in flight sample
+        # wait. Without prefix caching the boundary is never reached.
+        if (
+            num_placeholders
+            and request.num_computed_tokens - num_placeholders >= request.next_kv_boundary
+        ):
+            kv_cache_manager.cache_blocks(request, request.num_computed_tokens - num_placeholders)
+        if ended:
+            output = EngineCoreOutput(
+                request.request_id,
+                new_token_ids,
+                None,
+                int(request.get_finished_reason()),  # type: ignore[arg-type]
+                request.stop_reason,
+                None,
+                request.num_cached_tokens,
+            )
+            stopped.append((request, output))
+            append_output(output)
+        else:
+            append_output(
+                EngineCoreOutput(
+                    request.request_id,
+                    new_token_ids,
+                    None,
+                    None,
+                    None,
+                    None,
+                    request.num_cached_tokens,
+                )
+            )
+    return outputs, stopped
+
+
+def _drop_stale_token(request: Request) -> bool:
+    """Whether a sampled token is one to drop: its request finished while the step ran, or
+    was preempted (it resumes without the token)."""
+    if request.status > RequestStatus.PREEMPTED:  # finished
+        return True
+    if request.num_async_tokens_to_discard:
+        request.num_async_tokens_to_discard -= 1
+        return True
+    return False
+
+
+def attach_logprobs(
+    outputs: list[EngineCoreOutput], model_runner_output: ModelRunnerOutput
+) -> None:
+    """One row per request and step: row i belongs to the runner's request i."""
+    logprobs = model_runner_output.logprobs
+    assert logprobs is not None
+    index = model_runner_output.req_id_to_index
+    for output in outputs:
+        row = index[output.request_id]
+        output.new_logprobs = LogprobsLists(
+            logprobs.logprob_token_ids[row : row + 1],
+            logprobs.logprobs[row : row + 1],
+            logprobs.sampled_token_ranks[row : row + 1],
+        )

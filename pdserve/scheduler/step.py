@@ -1,0 +1,55 @@
+"""One step as schedule() decided it, and the steps still in flight."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.request import Request
+from pdserve.scheduler.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepDecisions:
+    """What schedule() decided for one step."""
+
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Running requests that got tokens, in order (the first keys of num_scheduled_tokens);
+    # ids of those that got new blocks.
+    running_reqs: list[Request]
+    new_block_ids: dict[str, list[int]]
+    # Admitted from the waiting queue, in order (the other keys); split into first time and
+    # back after preemption.
+    admitted_reqs: list[Request]
+    new_reqs: list[Request]
+    resumed_reqs: list[Request]
+
+    @property
+    def scheduled_reqs(self) -> list[Request]:
+        """Every scheduled request, in num_scheduled_tokens order."""
+        return self.running_reqs + self.admitted_reqs if self.admitted_reqs else self.running_reqs
+
+
+class StepsInFlight:
+    """The requests of each step whose output has not come back, so that processing it needs
+    no lookup by id. Outputs come back in the order the steps were scheduled; a step whose
+    output never comes (a test that only schedules) is dropped once a later one does, and
+    past `maxlen` steps the oldest are forgotten (their outputs fall back to lookups)."""
+
+    def __init__(self, maxlen: int = 8) -> None:
+        self._steps: deque[tuple[SchedulerOutput, list[Request]]] = deque(maxlen=maxlen)
+
+    def push(self, scheduler_output: SchedulerOutput, scheduled_reqs: list[Request]) -> None:
+        self._steps.append((scheduler_output, scheduled_reqs))
+
+    def pop(self, scheduler_output: SchedulerOutput) -> list[Request] | None:
+        """The requests `scheduler_output` scheduled, in num_scheduled_tokens order; None if
+        it is not a step in flight."""
+        steps = self._steps
+        for i, (step_output, _) in enumerate(steps):
+            if step_output is scheduler_output:
+                for _ in range(i):
+                    steps.popleft()
+                return steps.popleft()[1]
+        return None
