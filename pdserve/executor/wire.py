@@ -31,9 +31,10 @@ def unpack_int32(data: bytes) -> list[int]:
 
 def pack_rows(rows: list[list[int]]) -> tuple[bytes, bytes | None]:
     """Token rows as (every row's tokens in turn, int32 row lengths or None for one per row)."""
-    lengths = list(map(len, rows))
-    tokens = pack_int32(list(chain.from_iterable(rows)))
-    return tokens, None if lengths.count(1) == len(lengths) else pack_int32(lengths)
+    flat = list(chain.from_iterable(rows))
+    if len(flat) == len(rows) and [] not in rows:  # then no row has two: one token each
+        return pack_int32(flat), None
+    return pack_int32(flat), pack_int32(list(map(len, rows)))
 
 
 def unpack_rows(tokens: bytes, lengths: bytes | None) -> list[list[int]]:
