@@ -11,8 +11,7 @@ Nothing here changes a request: the Scheduler advances them after the output is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from itertools import islice
+from collections.abc import Callable, Container
 
 from pdserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pdserve.scheduler.step import StepDecisions
@@ -24,9 +23,14 @@ def build_scheduler_output(
     get_block_ids: Callable[[str], list[int]],
     finished_req_ids: set[str],
     preempted_req_ids: set[str],
-    prev_step_scheduled_req_ids: set[str],
+    prev_step_scheduled_req_ids: Container[str],
+    running_all_in_prev_step: bool,
 ) -> SchedulerOutput:
-    """The message for the workers (its connector metadata is the Scheduler's to add)."""
+    """The message for the workers (its connector metadata is the Scheduler's to add).
+
+    Runner V1 needs the ids the previous step scheduled; `running_all_in_prev_step` says that
+    every running request was among them (the usual case, which needs no lookups).
+    """
     running_reqs = step.running_reqs
     resumed_reqs = step.resumed_reqs
     if use_v2_model_runner:
@@ -43,14 +47,14 @@ def build_scheduler_output(
         ]
 
     # Struct of lists, built with comprehensions: this runs for every running request.
-    req_ids = list(islice(step.num_scheduled_tokens, len(running_reqs)))
+    req_ids = step.req_ids[: len(running_reqs)]
     new_block_ids: list[list[int] | None] = list(map(step.new_block_ids.get, req_ids))
     num_computed_tokens = [r.num_computed_tokens for r in running_reqs]
     num_output_tokens = [
         r.num_tokens - r.num_prompt_tokens + r.num_output_placeholders for r in running_reqs
     ]
     all_token_ids: dict[str, list[int]] = {}
-    if not use_v2_model_runner and not prev_step_scheduled_req_ids.issuperset(req_ids):
+    if not use_v2_model_runner and not running_all_in_prev_step:
         # A request with steps in flight (more than one with pipeline stages) is behind the
         # runner, which appended the tokens they sampled: its known tokens would cut them.
         all_token_ids = {

@@ -16,17 +16,17 @@ from pdserve.scheduler.stop import append_until_stop, check_stop
 
 
 def sampled_rows(
-    scheduled_reqs: list[Request] | None,
+    step_in_flight: tuple[list[Request], list[str]] | None,
     num_scheduled_tokens: dict[str, int],
     model_runner_output: ModelRunnerOutput,
     requests: dict[str, Request],
 ) -> Iterable[tuple[Request | None, list[int]]]:
     """(request, its sampled tokens) for each request the step scheduled that the runner ran,
-    in the scheduler's order; `scheduled_reqs` are the step's requests if it is in flight."""
+    in the scheduler's order; `step_in_flight` is the step's requests and ids if known."""
     sampled_token_ids = model_runner_output.sampled_token_ids
-    if scheduled_reqs is not None and model_runner_output.req_ids == list(num_scheduled_tokens):
+    if step_in_flight is not None and model_runner_output.req_ids == step_in_flight[1]:
         # The runner kept the scheduler's order (runner V2 on decode steps): no lookups.
-        return zip(scheduled_reqs, sampled_token_ids)
+        return zip(step_in_flight[0], sampled_token_ids)
     index = model_runner_output.req_id_to_index
     return [
         (requests.get(req_id), sampled_token_ids[i])
@@ -59,7 +59,6 @@ def apply_sampled_tokens(
         ) and _drop_stale_token(request):
             continue
         num_placeholders = request.num_output_placeholders - 1
-        assert num_placeholders >= 0, "a token the scheduler did not expect"
         request.num_output_placeholders = num_placeholders
         try:
             (token_id,) = new_token_ids  # the norm: one token per request and step
@@ -74,14 +73,14 @@ def apply_sampled_tokens(
             ended = (
                 token_id in request.stop_token_candidates or num_tokens >= request.max_num_tokens
             ) and check_stop(request, max_model_len)
-        # Blocks of tokens known only now: schedule() cached every known token, so only a step
-        # that had others in flight can have left some; those the steps still in flight sample
-        # wait. Without prefix caching the boundary is never reached.
-        if (
-            num_placeholders
-            and request.num_computed_tokens - num_placeholders >= request.next_kv_boundary
-        ):
-            kv_cache_manager.cache_blocks(request, request.num_computed_tokens - num_placeholders)
+        if num_placeholders:  # other steps in flight (or a token nobody expected)
+            assert num_placeholders > 0, "a token the scheduler did not expect"
+            # Blocks of tokens known only now: schedule() cached every known token, so only a
+            # step that had others in flight can have left some; those the steps still in
+            # flight sample wait. Without prefix caching the boundary is never reached.
+            num_known_computed = request.num_computed_tokens - num_placeholders
+            if num_known_computed >= request.next_kv_boundary:
+                kv_cache_manager.cache_blocks(request, num_known_computed)
         if ended:
             output = EngineCoreOutput(
                 request.request_id,

@@ -14,7 +14,7 @@ that samples leaves a placeholder token that the next schedule() counts (docs/as
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
 import msgspec
@@ -75,7 +75,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.reset_preempted_req_ids: set[str] = set()
         # Runner V1 only: requests not scheduled in the previous step get all their tokens.
-        self.prev_step_scheduled_req_ids: set[str] = set()
+        # The previous step's num_scheduled_tokens stands for its ids (nothing changes it once
+        # built); usually every running request was among them, which needs no lookups.
+        self.prev_step_scheduled_req_ids: Container[str] = {}
+        self.running_all_in_prev_step = True
         self.num_preemptions = 0
         # The requests of each step in flight, in num_scheduled_tokens order, so that
         # update_from_output need not look each one up. Steps end in the order they started;
@@ -180,6 +183,7 @@ class Scheduler:
 
         step = StepDecisions(
             num_scheduled_tokens=num_scheduled_tokens,
+            req_ids=list(num_scheduled_tokens),
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
             running_reqs=scheduled_running_reqs,
             new_block_ids=new_block_ids,
@@ -194,6 +198,7 @@ class Scheduler:
             self.finished_req_ids,
             self.reset_preempted_req_ids,
             self.prev_step_scheduled_req_ids,
+            self.running_all_in_prev_step,
         )
         if self.connector is not None:
             scheduler_output.kv_connector_metadata = msgspec.msgpack.encode(
@@ -201,7 +206,7 @@ class Scheduler:
             )
         scheduled_reqs = step.scheduled_reqs
         self._update_after_schedule(step, scheduled_reqs)
-        self._steps_in_flight.push(scheduler_output, scheduled_reqs)
+        self._steps_in_flight.push(scheduler_output, scheduled_reqs, step.req_ids)
         return scheduler_output
 
     def _update_after_schedule(self, step: StepDecisions, scheduled_reqs: list[Request]) -> None:
@@ -215,7 +220,8 @@ class Scheduler:
             if num_computed - request.num_tokens == request.num_output_placeholders:
                 request.num_output_placeholders += 1
         if not self.use_v2_model_runner:
-            self.prev_step_scheduled_req_ids = set(step.num_scheduled_tokens)
+            self.prev_step_scheduled_req_ids = step.num_scheduled_tokens
+            self.running_all_in_prev_step = len(scheduled_reqs) == len(self.running)
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
 

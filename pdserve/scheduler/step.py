@@ -14,6 +14,7 @@ class StepDecisions:
     """What schedule() decided for one step."""
 
     num_scheduled_tokens: dict[str, int]
+    req_ids: list[str]  # its keys
     total_num_scheduled_tokens: int
     # Running requests that got tokens, in order (the first keys of num_scheduled_tokens);
     # ids of those that got new blocks.
@@ -32,24 +33,27 @@ class StepDecisions:
 
 
 class StepsInFlight:
-    """The requests of each step whose output has not come back, so that processing it needs
-    no lookup by id. Outputs come back in the order the steps were scheduled; a step whose
+    """The requests (and their ids) of each step whose output has not come back, so that
+    processing it needs no lookup by id. Outputs come back in the order the steps were scheduled; a step whose
     output never comes (a test that only schedules) is dropped once a later one does, and
     past `maxlen` steps the oldest are forgotten (their outputs fall back to lookups)."""
 
     def __init__(self, maxlen: int = 8) -> None:
-        self._steps: deque[tuple[SchedulerOutput, list[Request]]] = deque(maxlen=maxlen)
+        self._steps: deque[tuple[SchedulerOutput, list[Request], list[str]]] = deque(maxlen=maxlen)
 
-    def push(self, scheduler_output: SchedulerOutput, scheduled_reqs: list[Request]) -> None:
-        self._steps.append((scheduler_output, scheduled_reqs))
+    def push(
+        self, scheduler_output: SchedulerOutput, scheduled_reqs: list[Request], req_ids: list[str]
+    ) -> None:
+        self._steps.append((scheduler_output, scheduled_reqs, req_ids))
 
-    def pop(self, scheduler_output: SchedulerOutput) -> list[Request] | None:
-        """The requests `scheduler_output` scheduled, in num_scheduled_tokens order; None if
-        it is not a step in flight."""
+    def pop(self, scheduler_output: SchedulerOutput) -> tuple[list[Request], list[str]] | None:
+        """The requests `scheduler_output` scheduled and their ids, in num_scheduled_tokens
+        order; None if it is not a step in flight."""
         steps = self._steps
-        for i, (step_output, _) in enumerate(steps):
+        for i, (step_output, _, _) in enumerate(steps):
             if step_output is scheduler_output:
                 for _ in range(i):
                     steps.popleft()
-                return steps.popleft()[1]
+                _, scheduled_reqs, req_ids = steps.popleft()
+                return scheduled_reqs, req_ids
         return None

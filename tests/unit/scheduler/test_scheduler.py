@@ -303,11 +303,12 @@ def test_an_output_that_never_comes_back_is_forgotten(make_scheduler: MakeSchedu
 def test_steps_in_flight_pair_outputs_with_their_requests() -> None:
     steps = StepsInFlight(maxlen=2)
     a, b, c = (SchedulerOutput.make_empty() for _ in range(3))
-    reqs_a, reqs_b, reqs_c = ([make_request(name)] for name in "abc")
-    steps.push(a, reqs_a)
-    steps.push(b, reqs_b)
-    assert steps.pop(b) is reqs_b and steps.pop(a) is None  # a never came back: dropped
-    for output, reqs in ((a, reqs_a), (b, reqs_b), (c, reqs_c)):
-        steps.push(output, reqs)
+    reqs = {name: [make_request(name)] for name in "abc"}
+    steps.push(a, reqs["a"], ["a"])
+    steps.push(b, reqs["b"], ["b"])
+    assert steps.pop(b) == (reqs["b"], ["b"])
+    assert steps.pop(a) is None  # it never came back before b: dropped
+    for output, name in ((a, "a"), (b, "b"), (c, "c")):
+        steps.push(output, reqs[name], [name])
     assert steps.pop(a) is None  # past maxlen: the oldest is forgotten
-    assert steps.pop(b) is reqs_b and steps.pop(c) is reqs_c
+    assert steps.pop(b) == (reqs["b"], ["b"]) and steps.pop(c) == (reqs["c"], ["c"])
