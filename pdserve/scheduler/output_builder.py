@@ -48,7 +48,9 @@ def build_scheduler_output(
 
     # Struct of lists, built with comprehensions: this runs for every running request.
     req_ids = step.req_ids[: len(running_reqs)]
-    new_block_ids: list[list[int] | None] = list(map(step.new_block_ids.get, req_ids))
+    new_block_ids: list[list[int] | None] = [None] * len(req_ids)
+    for row, block_ids in step.new_block_ids.values():
+        new_block_ids[row] = block_ids
     num_computed_tokens = [r.num_computed_tokens for r in running_reqs]
     num_output_tokens = [
         r.num_tokens - r.num_prompt_tokens + r.num_output_placeholders for r in running_reqs

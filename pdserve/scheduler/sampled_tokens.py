@@ -20,7 +20,7 @@ def sampled_rows(
     num_scheduled_tokens: dict[str, int],
     model_runner_output: ModelRunnerOutput,
     requests: dict[str, Request],
-) -> Iterable[tuple[Request | None, list[int]]]:
+) -> Iterable[tuple[Request, list[int]]]:
     """(request, its sampled tokens) for each request the step scheduled that the runner ran,
     in the scheduler's order; `step_in_flight` is the step's requests and ids if known."""
     sampled_token_ids = model_runner_output.sampled_token_ids
@@ -29,18 +29,20 @@ def sampled_rows(
         return zip(step_in_flight[0], sampled_token_ids)
     index = model_runner_output.req_id_to_index
     return [
-        (requests.get(req_id), sampled_token_ids[i])
+        (request, sampled_token_ids[i])
         for req_id in num_scheduled_tokens
         if (i := index.get(req_id)) is not None
+        # None: finished while the step ran, and its blocks freed.
+        and (request := requests.get(req_id)) is not None
     ]
 
 
 def apply_sampled_tokens(
-    rows: Iterable[tuple[Request | None, list[int]]],
+    rows: Iterable[tuple[Request, list[int]]],
     kv_cache_manager: KVCacheManager,
     max_model_len: int,
 ) -> tuple[list[EngineCoreOutput], list[tuple[Request, EngineCoreOutput]]]:
-    """Apply each (request, its sampled tokens) row; None stands for a request that is gone.
+    """Apply each (request, its sampled tokens) row.
 
     Returns the outputs, in row order, and the requests their tokens ended with their outputs
     (finish and stop reasons set; freeing them, and their kv_transfer_params, is the caller's).
@@ -52,8 +54,6 @@ def apply_sampled_tokens(
     for request, new_token_ids in rows:
         if not new_token_ids:
             continue  # in the middle of a chunked prefill
-        if request is None:
-            continue  # finished while the step ran, and its blocks freed
         if (
             request.status is not running_status or request.num_async_tokens_to_discard
         ) and _drop_stale_token(request):

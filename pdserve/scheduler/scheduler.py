@@ -111,8 +111,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_scheduled_tokens
         num_scheduled_tokens: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        preempted = False
+        # Running requests that got new blocks: their row in num_scheduled_tokens, the ids.
+        new_block_ids: dict[str, tuple[int, list[int]]] = {}
+        preempted = positions_moved = False
+        reach_all_tokens = True  # every running request scheduled got all its tokens
         allocate_slots = self.kv_cache_manager.allocate_slots
         running_status = RequestStatus.RUNNING
 
@@ -122,7 +124,6 @@ class Scheduler:
         for request in running:
             if preempted and request.status != running_status:
                 continue
-            num_computed = request.num_computed_tokens
             num_tokens = request.num_tokens
             if num_placeholders := request.num_output_placeholders:
                 # Placeholders count as tokens: the runner feeds the one it sampled itself.
@@ -134,12 +135,13 @@ class Scheduler:
             # when it sampled). No sampled token passes max_model_len: a request ends at
             # max_num_tokens <= max_model_len, and the check above keeps steps in flight from
             # sampling past it (a prompt of max_model_len tokens is computed whole, then ends).
-            num_new_tokens = num_tokens - num_computed
+            num_new_tokens = num_tokens - request.num_computed_tokens
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
+                reach_all_tokens = False
                 if num_new_tokens <= 0:
                     continue
-                num_tokens = num_computed + num_new_tokens
+                num_tokens = request.num_computed_tokens + num_new_tokens
             if num_tokens >= request.next_kv_boundary:
                 # Below the boundary (most decode steps) allocate_slots would do nothing.
                 while (new_blocks := allocate_slots(request, num_new_tokens)) is None:
@@ -149,6 +151,7 @@ class Scheduler:
                         # Already scheduled this step: it gives its tokens back.
                         token_budget += num_scheduled_tokens.pop(victim.request_id)
                         new_block_ids.pop(victim.request_id, None)
+                        positions_moved = True
                     self._preempt_request(victim)
                     preempted = True
                     if victim is request:
@@ -156,9 +159,15 @@ class Scheduler:
                 if new_blocks is None:
                     break
                 if new_blocks:
-                    new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+                    new_block_ids[request.request_id] = (
+                        len(num_scheduled_tokens),
+                        [b.block_id for b in new_blocks],
+                    )
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+        if positions_moved:  # a victim left num_scheduled_tokens: the rows after it moved up
+            rows = {req_id: i for i, req_id in enumerate(num_scheduled_tokens)}
+            new_block_ids = {r: (rows[r], ids) for r, (_, ids) in new_block_ids.items()}
         # Usually every running request got tokens (once the budget is spent, the rest get 0).
         if len(num_scheduled_tokens) == len(running):
             scheduled_running_reqs = running.copy()
@@ -186,6 +195,7 @@ class Scheduler:
             req_ids=list(num_scheduled_tokens),
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
             running_reqs=scheduled_running_reqs,
+            running_reqs_reach_all_tokens=reach_all_tokens,
             new_block_ids=new_block_ids,
             admitted_reqs=admissions.admitted,
             new_reqs=admissions.new_reqs,
@@ -211,9 +221,16 @@ class Scheduler:
 
     def _update_after_schedule(self, step: StepDecisions, scheduled_reqs: list[Request]) -> None:
         """The output holds the numbers from before this step; now the step is taken as done."""
-        for request, num_tokens in zip(
-            scheduled_reqs, step.num_scheduled_tokens.values(), strict=True
-        ):
+        num_tokens_iter = iter(step.num_scheduled_tokens.values())
+        rest = scheduled_reqs
+        if step.running_reqs_reach_all_tokens:
+            # Each running request got every token it has, known or in flight: each samples
+            # one more. (zip stops at the end of running_reqs, leaving the admitted ones' counts.)
+            for request, num_tokens in zip(step.running_reqs, num_tokens_iter):
+                request.num_computed_tokens += num_tokens
+                request.num_output_placeholders += 1
+            rest = step.admitted_reqs
+        for request, num_tokens in zip(rest, num_tokens_iter, strict=True):
             num_computed = request.num_computed_tokens + num_tokens
             request.num_computed_tokens = num_computed
             # A step that reaches every token, known or in flight, samples one more.

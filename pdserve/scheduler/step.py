@@ -17,9 +17,10 @@ class StepDecisions:
     req_ids: list[str]  # its keys
     total_num_scheduled_tokens: int
     # Running requests that got tokens, in order (the first keys of num_scheduled_tokens);
-    # ids of those that got new blocks.
+    # for those that got new blocks, their row there and the block ids.
     running_reqs: list[Request]
-    new_block_ids: dict[str, list[int]]
+    running_reqs_reach_all_tokens: bool  # none was cut short by the budget
+    new_block_ids: dict[str, tuple[int, list[int]]]
     # Admitted from the waiting queue, in order (the other keys); split into first time and
     # back after preemption.
     admitted_reqs: list[Request]

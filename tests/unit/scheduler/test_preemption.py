@@ -71,6 +71,26 @@ def test_priority_preempts_the_worst_and_returns_its_budget(make_scheduler: Make
     run_to_completion(scheduler)
 
 
+def test_new_block_ids_stay_with_their_requests_when_a_victim_gives_back(
+    make_scheduler: MakeScheduler,
+) -> None:
+    scheduler = make_scheduler(num_blocks=5, policy="priority")  # 4 usable blocks
+    scheduler.add_request(make_request("low", prompt=2, priority=5, max_tokens=8))
+    step(scheduler)
+    scheduler.add_request(make_request("mid", prompt=4, priority=1, max_tokens=8))
+    scheduler.add_request(make_request("high", prompt=4, priority=0, max_tokens=8))
+    step(scheduler)  # high and mid take one block each: one is left
+    assert [r.request_id for r in scheduler.running] == ["low", "high", "mid"]
+    out, _ = step(scheduler)
+    # low is scheduled, high takes the last block, mid finds none: low (the worst priority,
+    # already scheduled) gives its tokens and blocks back, and high's row moves up.
+    cached = out.scheduled_cached_reqs
+    assert cached.req_ids == ["high", "mid"]
+    get_block_ids = scheduler.kv_cache_manager.get_block_ids
+    assert cached.new_block_ids == [get_block_ids("high")[1:], get_block_ids("mid")[1:]]
+    run_to_completion(scheduler)
+
+
 def test_priority_victim_is_latest_arrival_among_equals(make_scheduler: MakeScheduler) -> None:
     scheduler = make_scheduler(num_blocks=4, policy="priority")  # 3 usable blocks
     for name, arrival in (("x", 1.0), ("y", 3.0), ("z", 2.0)):
