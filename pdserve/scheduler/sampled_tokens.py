@@ -70,10 +70,11 @@ def apply_sampled_tokens(
             num_tokens = request.num_tokens = request.num_tokens + 1
             # Most tokens end nothing: check_stop runs only when one may (max_num_tokens is
             # capped at max_model_len).
-            ended = (
-                token_id in request.stop_token_candidates or num_tokens >= request.max_num_tokens
-            ) and check_stop(request, max_model_len)
-        if num_placeholders:  # other steps in flight (or a token nobody expected)
+            if token_id in request.stop_token_candidates or num_tokens >= request.max_num_tokens:
+                ended = check_stop(request, max_model_len)
+            else:
+                ended = False
+        if num_placeholders != 0:  # other steps in flight (or a token nobody expected)
             assert num_placeholders > 0, "a token the scheduler did not expect"
             # Blocks of tokens known only now: schedule() cached every known token, so only a
             # step that had others in flight can have left some; those the steps still in
