@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.outputs import RequestOutput
 from pdserve.scheduler.scheduler import SchedulerStats
+
+if TYPE_CHECKING:
+    from pdserve.engine.output_processor import RequestUpdate
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -142,28 +145,27 @@ class EngineMetrics:
     def request_started(self, request_id: str, num_prompt_tokens: int) -> None:
         self._requests[request_id] = _RequestTimes(time.monotonic(), num_prompt_tokens)
 
-    def request_updated(self, output: RequestOutput) -> None:
-        times = self._requests.get(output.request_id)
+    def request_updated(self, update: RequestUpdate) -> None:
+        """One step of a request: its new tokens and the sequences it finished."""
+        times = self._requests.get(update.request_id)
         if times is None:
             return
         now = time.monotonic()
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new_tokens = num_tokens - times.num_tokens
+        new_tokens = update.num_new_tokens
         if new_tokens > 0:
             if times.num_tokens == 0:
                 self.ttft.observe(now - times.arrival)
             else:
                 self.itl.observe((now - times.last_token) / new_tokens)
             self.generation_tokens.inc(new_tokens)
-            times.num_tokens, times.last_token = num_tokens, now
-        if output.finished:
-            del self._requests[output.request_id]
+            times.num_tokens += new_tokens
+            times.last_token = now
+        for reason in update.finish_reasons:
+            self._finished.labels(**self._labels, finished_reason=reason).inc()
+        if update.finished:
+            del self._requests[update.request_id]
             self.e2e.observe(now - times.arrival)
             self.prompt_tokens.inc(times.num_prompt_tokens)
-            for completion in output.outputs:
-                self._finished.labels(
-                    **self._labels, finished_reason=completion.finish_reason
-                ).inc()
 
     def request_ended(self, request_id: str, reason: str) -> None:
         """A request that ended without a finished output: aborted, rejected, engine dead."""

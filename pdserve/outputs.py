@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,14 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a request's outputs hold (vLLM's names)."""
+
+    CUMULATIVE = 0  # after every step, everything so far
+    DELTA = 1  # after every step, only what is new (the last one carries the finish reason)
+    FINAL_ONLY = 2  # once, when the request finishes
 
 
 @dataclass

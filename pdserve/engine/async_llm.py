@@ -21,7 +21,7 @@ from pdserve.engine.messages import EngineCoreOutputs
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.metrics import EngineMetrics
 from pdserve.models import loader
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.scheduler import SchedulerStats
 
@@ -70,15 +70,19 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         kv_transfer_params: dict[str, Any] | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative output after every step that changed it."""
+        """Yields the request's output after every step that changed it, as `output_kind` says:
+        everything so far, only the new part (a stream's), or only the final one."""
         if self.client.dead_reason is not None:
             raise EngineDeadError(self.client.dead_reason)
         text, token_ids = self.tokenize(prompt)
         if request_id in self.queues:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        children = self.output_processor.add_request(request_id, text, token_ids, params)
+        children = self.output_processor.add_request(
+            request_id, text, token_ids, params, output_kind
+        )
         self.queues[request_id] = queue
         self.metrics.request_started(request_id, len(token_ids))
         finished = False
@@ -135,13 +139,13 @@ class AsyncLLM:
                 self._fail(parent[0], RequestRejectedError(why))
         if not msg.outputs:
             return
-        results, to_abort = self.output_processor.process_outputs(msg.outputs)
+        updates, to_abort = self.output_processor.process_outputs(msg.outputs)
         self.client.abort_requests(to_abort)
-        for result in results:
-            self.metrics.request_updated(result)
-            queue = self.queues.get(result.request_id)
-            if queue is not None:
-                queue.put_nowait(result)
+        for update in updates:
+            self.metrics.request_updated(update)
+            queue = self.queues.get(update.request_id)
+            if queue is not None and update.output is not None:
+                queue.put_nowait(update.output)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         queue = self.queues.get(request_id)

@@ -14,7 +14,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.input_processor import ChatMessages, InputProcessor, PromptType
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.models import loader
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,9 @@ class LLM:
         assert self.engine_core is not None, "LLM is shut down"
         text, token_ids = self.input_processor.tokenize(prompt)
         request_id = str(next(self._request_counter))
-        children = self.output_processor.add_request(request_id, text, token_ids, params)
+        children = self.output_processor.add_request(
+            request_id, text, token_ids, params, RequestOutputKind.FINAL_ONLY
+        )
         try:
             for child_id, child_params in children:
                 self.engine_core.add_request(
@@ -101,13 +103,13 @@ class LLM:
         try:
             while pending:
                 outputs = self.engine_core.step()
-                results, to_abort = self.output_processor.process_outputs(outputs)
+                updates, to_abort = self.output_processor.process_outputs(outputs)
                 if to_abort:
                     self.engine_core.abort_requests(to_abort)
-                for result in results:
-                    if result.finished and result.request_id in pending:
-                        pending.discard(result.request_id)
-                        finished[result.request_id] = result
+                for update in updates:
+                    if update.output is not None and update.request_id in pending:
+                        pending.discard(update.request_id)
+                        finished[update.request_id] = update.output
                         bar.update(1)
                 if not outputs and not self.engine_core.has_unfinished_requests() and pending:
                     raise RuntimeError(f"Engine stopped with {len(pending)} unfinished requests.")

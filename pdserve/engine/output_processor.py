@@ -1,4 +1,9 @@
-"""Turns EngineCoreOutputs into RequestOutputs: detokenization, stop strings, logprobs, n > 1."""
+"""Turns EngineCoreOutputs into RequestOutputs: detokenization, stop strings, logprobs, n > 1.
+
+Each request says what it wants back (`RequestOutputKind`, vLLM's): everything so far after
+every step (CUMULATIVE), only what is new (DELTA, for streams: a step then costs what its own
+tokens cost), or one output when it finishes (FINAL_ONLY).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from pdserve.outputs import (
     Logprob,
     LogprobsLists,
     RequestOutput,
+    RequestOutputKind,
 )
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
@@ -30,14 +36,38 @@ class _SequenceState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # What a DELTA output already gave the caller: tokens, characters.
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
 
     def completion(self) -> CompletionOutput:
+        """Everything so far (a copy: the caller may keep it while the sequence grows)."""
         return CompletionOutput(
             index=self.index,
             text=self.detokenizer.output_text,
             token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def delta(self) -> CompletionOutput:
+        """What the caller has not had yet. Text that a stop string may still cut is held back
+        until the sequence finishes, so the deltas join to the final text."""
+        detok = self.detokenizer
+        end = detok.num_chars
+        if self.finish_reason is None:
+            end = max(self.num_sent_chars, end - detok.stop_buffer_len)
+        text = detok.text_from(self.num_sent_chars)[: end - self.num_sent_chars]
+        first = self.num_sent_tokens
+        self.num_sent_tokens, self.num_sent_chars = len(self.token_ids), end
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=self.token_ids[first:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else self.logprobs[first:],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -49,6 +79,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[_SequenceState]
+    output_kind: RequestOutputKind
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
 
@@ -56,16 +87,35 @@ class _RequestState:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
 
-    def make_output(self) -> RequestOutput:
+    def make_output(self, updated: list[_SequenceState]) -> RequestOutput | None:
+        """The output this step owes the caller, given the sequences it updated."""
+        kind = self.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        if kind == RequestOutputKind.DELTA:
+            outputs = [s.delta() for s in updated]
+        else:
+            outputs = [s.completion() for s in self.sequences]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in self.sequences],
+            outputs=outputs,
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_params=self.kv_transfer_params,
         )
+
+
+@dataclass
+class RequestUpdate:
+    """One request's step, for the caller and the metrics."""
+
+    request_id: str
+    num_new_tokens: int
+    finish_reasons: list[str]  # of the sequences that finished in this step
+    finished: bool
+    output: RequestOutput | None  # None: nothing owed yet (FINAL_ONLY)
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -95,6 +145,7 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> list[tuple[str, SamplingParams]]:
         """Register a request; returns the (engine request id, params) of its n sequences."""
         if request_id in self.requests:
@@ -116,14 +167,18 @@ class OutputProcessor:
             child_id = child_request_id(request_id, i, params.n)
             self.child_to_parent[child_id] = (request_id, i)
             children.append((child_id, seq_params))
-        self.requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, sequences)
+        self.requests[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, sequences, output_kind
+        )
         return children
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated RequestOutputs and the engine ids to abort (stop strings hit)."""
-        updated: dict[str, _RequestState] = {}
+    ) -> tuple[list[RequestUpdate], list[str]]:
+        """Returns one update per request the step changed, and the engine ids to abort (stop
+        strings hit). A step's work is that of its new tokens, whatever the lengths so far."""
+        # request id -> (its state, the sequences updated by index, its update)
+        updated: dict[str, tuple[_RequestState, dict[int, _SequenceState], RequestUpdate]] = {}
         to_abort: list[str] = []
         for out in outputs:
             parent = self.child_to_parent.get(out.request_id)
@@ -145,13 +200,24 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 seq.finish_reason = str(FinishReason(out.finish_reason))
                 seq.stop_reason = out.stop_reason
+            entry = updated.get(state.request_id)
+            if entry is None:
+                entry = updated[state.request_id] = (
+                    state,
+                    {},
+                    RequestUpdate(state.request_id, 0, [], False, None),
+                )
+            entry[1][seq.index] = seq
+            entry[2].num_new_tokens += len(out.new_token_ids)
             if seq.finish_reason is not None:
                 del self.child_to_parent[out.request_id]
-            updated[state.request_id] = state
+                entry[2].finish_reasons.append(seq.finish_reason)
         results = []
-        for state in updated.values():
-            results.append(state.make_output())
-            if state.finished:
+        for state, sequences, update in updated.values():
+            update.finished = state.finished
+            update.output = state.make_output(list(sequences.values()))
+            results.append(update)
+            if update.finished:
                 del self.requests[state.request_id]
         return results, to_abort
 

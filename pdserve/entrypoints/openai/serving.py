@@ -13,7 +13,7 @@ from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -119,14 +119,18 @@ class OpenAIServing:
         prompts: list[tuple[Prompt, SamplingParams]],
         request_id: str,
         kv_transfer_params: dict | None,
+        stream: bool,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """A stream gets each step's new part (DELTA), a response only the final outputs."""
         self.check_capacity()
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams = [
             self.engine.generate(
                 prompt,
                 params,
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 kv_transfer_params,
+                kind,
             )
             for i, (prompt, params) in enumerate(prompts)
         ]
@@ -158,10 +162,10 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, request_id: str) -> dict[str, Any]:
         prompts = self.prepare_completion(req)
         finals: dict[int, RequestOutput] = {}
-        async for i, out in self.generate(prompts, request_id, req.kv_transfer_params):
+        async for i, out in self.generate(prompts, request_id, req.kv_transfer_params, False):
             finals[i] = out
         choices = [
-            self._completion_choice(i * req.n + c.index, c, c.text)
+            self._completion_choice(i * req.n + c.index, c)
             for i in sorted(finals)
             for c in finals[i].outputs
         ]
@@ -179,39 +183,33 @@ class OpenAIServing:
         self, req: CompletionRequest, request_id: str
     ) -> AsyncIterator[str]:
         prompts = self.prepare_completion(req)
-        stream = self.generate(prompts, request_id, req.kv_transfer_params)
+        stream = self.generate(prompts, request_id, req.kv_transfer_params, True)
         head = {
             "id": f"cmpl-{request_id}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
         }
-        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
-        finals: dict[int, RequestOutput] = {}
+        counts = _UsageCounter()
         async for i, out in _reporting_errors(stream):
             if isinstance(out, str):
                 yield out
                 return
-            finals[i] = out
-            for c in out.outputs:
-                index = i * req.n + c.index
-                chars, tokens = sent.get(index, (0, 0))
-                if len(c.token_ids) == tokens and c.finish_reason is None:
+            counts.add(i, out)
+            for c in out.outputs:  # each output holds only the step's new part
+                if not c.token_ids and not c.text and c.finish_reason is None:
                     continue
-                sent[index] = (len(c.text), len(c.token_ids))
-                choice = self._completion_choice(index, c, c.text[chars:], tokens)
+                choice = self._completion_choice(i * req.n + c.index, c)
                 yield sse({**head, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(finals.values())})
+            yield sse({**head, "choices": [], "usage": counts.usage()})
         yield "data: [DONE]\n\n"
 
-    def _completion_choice(
-        self, index: int, c: CompletionOutput, text: str, first_token: int = 0
-    ) -> dict:
+    def _completion_choice(self, index: int, c: CompletionOutput) -> dict:
         logprobs = None
         if c.logprobs is not None:
             tokens, token_logprobs, top = [], [], []
-            for tid, entry in zip(c.token_ids[first_token:], c.logprobs[first_token:]):
+            for tid, entry in zip(c.token_ids, c.logprobs):
                 tokens.append(entry[tid].decoded_token)
                 token_logprobs.append(entry[tid].logprob)
                 top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
@@ -223,9 +221,9 @@ class OpenAIServing:
             }
         return {
             "index": index,
-            "text": text,
+            "text": c.text,
             "logprobs": logprobs,
-            "token_ids": c.token_ids[first_token:],
+            "token_ids": c.token_ids,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
@@ -253,15 +251,15 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         prompts = self.prepare_chat(req)
         final: RequestOutput | None = None
-        async for _, final in self.generate(prompts, request_id, req.kv_transfer_params):  # noqa: B007
-            pass  # the last output holds the whole answer
+        async for _, final in self.generate(prompts, request_id, req.kv_transfer_params, False):  # noqa: B007
+            pass  # the one output holds the whole answer
         assert final is not None
         choices = [
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
                 "token_ids": c.token_ids,
-                "logprobs": self._chat_logprobs(c, 0, req.top_logprobs or 0),
+                "logprobs": self._chat_logprobs(c, req.top_logprobs or 0),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
@@ -279,7 +277,7 @@ class OpenAIServing:
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
         prompts = self.prepare_chat(req)
-        stream = self.generate(prompts, request_id, req.kv_transfer_params)
+        stream = self.generate(prompts, request_id, req.kv_transfer_params, True)
         head = {
             "id": f"chatcmpl-{request_id}",
             "object": "chat.completion.chunk",
@@ -291,32 +289,29 @@ class OpenAIServing:
             yield sse(
                 {**head, "choices": [{"index": index, "delta": delta, "finish_reason": None}]}
             )
-        sent: dict[int, tuple[int, int]] = {}
-        final: RequestOutput | None = None
-        async for _, out in _reporting_errors(stream):
+        counts = _UsageCounter()
+        async for i, out in _reporting_errors(stream):
             if isinstance(out, str):
                 yield out
                 return
-            final = out
-            for c in out.outputs:
-                chars, tokens = sent.get(c.index, (0, 0))
-                if len(c.token_ids) == tokens and c.finish_reason is None:
+            counts.add(i, out)
+            for c in out.outputs:  # each output holds only the step's new part
+                if not c.token_ids and not c.text and c.finish_reason is None:
                     continue
-                sent[c.index] = (len(c.text), len(c.token_ids))
                 choice = {
                     "index": c.index,
-                    "delta": {"content": c.text[chars:]},
-                    "token_ids": c.token_ids[tokens:],
-                    "logprobs": self._chat_logprobs(c, tokens, req.top_logprobs or 0),
+                    "delta": {"content": c.text},
+                    "token_ids": c.token_ids,
+                    "logprobs": self._chat_logprobs(c, req.top_logprobs or 0),
                     "finish_reason": c.finish_reason,
                 }
                 yield sse({**head, "choices": [choice]})
-        if req.stream_options and req.stream_options.include_usage and final is not None:
-            yield sse({**head, "choices": [], "usage": usage([final])})
+        if req.stream_options and req.stream_options.include_usage and counts.prompt:
+            yield sse({**head, "choices": [], "usage": counts.usage()})
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def _chat_logprobs(c: CompletionOutput, first_token: int, num_top: int) -> dict | None:
+    def _chat_logprobs(c: CompletionOutput, num_top: int) -> dict | None:
         if c.logprobs is None:
             return None
 
@@ -325,7 +320,7 @@ class OpenAIServing:
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
         content = []
-        for tid, entry in zip(c.token_ids[first_token:], c.logprobs[first_token:]):
+        for tid, entry in zip(c.token_ids, c.logprobs):
             # The sampled token is in the entry even when it is not among the top ones.
             top = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num_top]
             content.append(
@@ -349,6 +344,26 @@ def usage(outputs: Any) -> dict[str, int]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+class _UsageCounter:
+    """A stream's usage, counted from its deltas."""
+
+    def __init__(self) -> None:
+        self.prompt: dict[int, int] = {}  # prompt index -> its tokens
+        self.completion = 0
+
+    def add(self, i: int, out: RequestOutput) -> None:
+        self.prompt[i] = len(out.prompt_token_ids)
+        self.completion += sum(len(c.token_ids) for c in out.outputs)
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(self.prompt.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": prompt + self.completion,
+        }
 
 
 def _first_kv_params(outputs: Any) -> dict | None:
