@@ -1,4 +1,5 @@
-"""Waiting queues: first come first served, or by (priority, arrival time)."""
+"""Waiting queues: first come first served, or by (priority, arrival time); and which
+running request each policy preempts first."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from pdserve.request import Request
+from pdserve.request import Request, RequestStatus
 
 
 class SchedulingPolicy(enum.Enum):
@@ -130,3 +131,12 @@ def create_request_queue(policy: SchedulingPolicy | str) -> RequestQueue:
     if policy is SchedulingPolicy.PRIORITY:
         return PriorityRequestQueue()
     return FCFSRequestQueue()
+
+
+def select_victim(running: list[Request], policy: SchedulingPolicy) -> Request:
+    """The running request to preempt next: under FCFS the most recently admitted, under
+    priority the worst (highest value, latest arrival)."""
+    candidates = [r for r in running if r.status == RequestStatus.RUNNING]
+    if policy is SchedulingPolicy.PRIORITY:
+        return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+    return candidates[-1]

@@ -1,14 +1,12 @@
 """The scheduler: which requests run this step, how many tokens each, and what came out of it.
 
-Continuous batching with no prefill or decode phases: each step hands out a token budget so
-that every request's `num_computed_tokens` catches up with its `num_tokens`, running requests
-first, then waiting ones (vLLM V1, `vllm/v1/core/sched/scheduler.py`). One class owns
-schedule(), update_from_output(), finish_requests() and preemption; the helpers it composes
-own their state: the KV cache manager, the request queues, the parked remote-KV requests
-(remote_kv.py), the admission of waiting requests (admission.py). The SchedulerOutput is a
-pure function of the step's decisions (output_builder.py), and `_update_after_schedule`
-advances the requests after it. Async scheduling (vLLM's AsyncScheduler, folded in): a step
-that samples leaves a placeholder token that the next schedule() counts (docs/async_scheduling.md).
+Each step hands out a token budget so that every request's `num_computed_tokens` catches up
+with its `num_tokens`, running requests first, then waiting ones (vLLM V1). One class owns
+schedule(), update_from_output(), finish_requests() and preemption; the helpers it composes own
+their state (KV cache manager, request queues, parked remote-KV requests, waiting admission).
+The SchedulerOutput is a pure function of the step's decisions, and `_update_after_schedule`
+advances the requests after it. Async scheduling: a step that samples leaves a placeholder
+token that the next schedule() counts (docs/async_scheduling.md).
 """
 
 from __future__ import annotations
@@ -27,10 +25,15 @@ from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.output_builder import build_scheduler_output
 from pdserve.scheduler.remote_kv import RemoteKVRequests
-from pdserve.scheduler.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from pdserve.scheduler.request_queue import (
+    RequestQueue,
+    SchedulingPolicy,
+    create_request_queue,
+    select_victim,
+)
 from pdserve.scheduler.sampled_tokens import apply_sampled_tokens, attach_logprobs, sampled_rows
 from pdserve.scheduler.stats import SchedulerStats
-from pdserve.scheduler.step import StepDecisions, StepsInFlight
+from pdserve.scheduler.step import StepDecisions, StepsInFlight, advance_requests
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +149,7 @@ class Scheduler:
                 # Below the boundary (most decode steps) allocate_slots would do nothing.
                 while (new_blocks := allocate_slots(request, num_new_tokens)) is None:
                     # Preempt by recompute until the request fits, or it is the victim itself.
-                    victim = self._select_victim(running)
+                    victim = select_victim(running, self.policy)
                     if victim.request_id in num_scheduled_tokens:
                         # Already scheduled this step: it gives its tokens back.
                         token_budget += num_scheduled_tokens.pop(victim.request_id)
@@ -221,34 +224,12 @@ class Scheduler:
 
     def _update_after_schedule(self, step: StepDecisions, scheduled_reqs: list[Request]) -> None:
         """The output holds the numbers from before this step; now the step is taken as done."""
-        num_tokens_iter = iter(step.num_scheduled_tokens.values())
-        rest = scheduled_reqs
-        if step.running_reqs_reach_all_tokens:
-            # Each running request got every token it has, known or in flight: each samples
-            # one more. (zip stops at the end of running_reqs, leaving the admitted ones' counts.)
-            for request, num_tokens in zip(step.running_reqs, num_tokens_iter):
-                request.num_computed_tokens += num_tokens
-                request.num_output_placeholders += 1
-            rest = step.admitted_reqs
-        for request, num_tokens in zip(rest, num_tokens_iter, strict=True):
-            num_computed = request.num_computed_tokens + num_tokens
-            request.num_computed_tokens = num_computed
-            # A step that reaches every token, known or in flight, samples one more.
-            if num_computed - request.num_tokens == request.num_output_placeholders:
-                request.num_output_placeholders += 1
+        advance_requests(step, scheduled_reqs)
         if not self.use_v2_model_runner:
             self.prev_step_scheduled_req_ids = step.num_scheduled_tokens
             self.running_all_in_prev_step = len(scheduled_reqs) == len(self.running)
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
-
-    def _select_victim(self, running: list[Request]) -> Request:
-        """The running request to preempt next: under FCFS the most recently admitted, under
-        priority the worst (highest value, latest arrival)."""
-        candidates = [r for r in running if r.status == RequestStatus.RUNNING]
-        if self.policy is SchedulingPolicy.PRIORITY:
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
 
     def _preempt_request(self, request: Request) -> None:
         """Recompute preemption: drop the blocks (their hashes stay cached) and queue it first."""
