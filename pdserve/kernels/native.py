@@ -46,6 +46,8 @@ def _build(name: str) -> Path:
         b"\0".join(
             [
                 source.read_bytes(),
+                # The shared headers too: a change there must rebuild every kernel.
+                *(header.read_bytes() for header in sorted(_CSRC.glob("*.h"))),
                 compiler.encode(),
                 " ".join(_FLAGS + _LIBS).encode(),
                 _cpu_id().encode(),

@@ -8,37 +8,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dtypes.h"
+
 namespace {
 
-struct F32 {
-  using T = float;
-  static float load(T x) { return x; }
-  static T store(float f) { return f; }
-};
-
-struct BF16 {
-  using T = uint16_t;
-  static float load(T x) {
-    uint32_t bits = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-  static T store(float f) {  // round to nearest even, as torch rounds
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    // NaN tested on the bits (fast math assumes there is none), without a branch, so that
-    // loops of stores vectorize.
-    const uint32_t rounded = bits + 0x7fff + ((bits >> 16) & 1);
-    return T(((bits & 0x7fffffff) > 0x7f800000 ? 0x7fc00000u : rounded) >> 16);
-  }
-};
-
-// One operation in the activation dtype: computed in float, rounded back.
-template <typename K>
-inline float rounded(float f) {
-  return K::load(K::store(f));
-}
+using pdserve::BF16;
+using pdserve::F32;
+using pdserve::rounded;
 
 template <typename K>
 void rms_norm(const typename K::T* x, const typename K::T* residual, const typename K::T* weight,

@@ -10,44 +10,13 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "dtypes.h"
 
 namespace {
 
-struct F32 {
-  using T = float;
-  static float load(T x) { return x; }
-  static T store(float f) { return f; }
-#ifdef __AVX512F__
-  static __m512 load16(const T* p) { return _mm512_loadu_ps(p); }
-#endif
-};
-
-struct BF16 {
-  using T = uint16_t;
-  static float load(T x) {
-    uint32_t bits = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-  static T store(float f) {  // round to nearest even, as torch rounds
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    // NaN tested on the bits (fast math assumes there is none), without a branch, so that
-    // loops of stores vectorize.
-    const uint32_t rounded = bits + 0x7fff + ((bits >> 16) & 1);
-    return T(((bits & 0x7fffffff) > 0x7f800000 ? 0x7fc00000u : rounded) >> 16);
-  }
-#ifdef __AVX512F__
-  static __m512 load16(const T* p) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-  }
-#endif
-};
+using pdserve::BF16;
+using pdserve::F32;
 
 // Scores of `n` (<= 4) consecutive keys, `stride` elements apart, against `group` query heads,
 // into scores[h * scores_stride + i]. Several keys at once keep independent sums in flight: one

@@ -1,0 +1,50 @@
+// The activation dtypes of the CPU kernels: load to float, store back rounded as torch rounds.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace pdserve {
+
+struct F32 {
+  using T = float;
+  static float load(T x) { return x; }
+  static T store(float f) { return f; }
+#ifdef __AVX512F__
+  static __m512 load16(const T* p) { return _mm512_loadu_ps(p); }
+#endif
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static float load(T x) {
+    uint32_t bits = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static T store(float f) {  // round to nearest even, as torch rounds
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    // NaN tested on the bits (fast math assumes there is none), without a branch, so that
+    // loops of stores vectorize.
+    const uint32_t rounded = bits + 0x7fff + ((bits >> 16) & 1);
+    return T(((bits & 0x7fffffff) > 0x7f800000 ? 0x7fc00000u : rounded) >> 16);
+  }
+#ifdef __AVX512F__
+  static __m512 load16(const T* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+#endif
+};
+
+// One operation in the activation dtype: computed in float, rounded back.
+template <typename K>
+inline float rounded(float f) {
+  return K::load(K::store(f));
+}
+
+}  // namespace pdserve
