@@ -96,12 +96,15 @@ def test_make_transport_names_the_choices() -> None:
 
 
 @pytest.mark.parametrize(
-    "backend, library, package", [("nixl", "nixl", "nixl-cu12"), ("ucx", "ucxx", "ucxx-cu12")]
+    "backend, libraries, package",
+    # NIXL imports from the meta package where it is installed, else from the wheel's own module.
+    [("nixl", ("nixl", "nixl_cu12"), "nixl-cu12"), ("ucx", ("ucxx",), "ucxx-cu12")],
 )
 def test_make_transport_without_its_library_names_the_package(
-    backend: str, library: str, package: str, monkeypatch: pytest.MonkeyPatch
+    backend: str, libraries: tuple[str, ...], package: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(sys.modules, library, None)  # None in sys.modules: import fails
+    for library in libraries:
+        monkeypatch.setitem(sys.modules, library, None)  # None in sys.modules: import fails
     for module in ("nixl", "ucx", "ucx_service"):
         monkeypatch.delitem(sys.modules, f"pdserve.kv_connector.transport.{module}", raising=False)
     with pytest.raises(RuntimeError, match=package):
