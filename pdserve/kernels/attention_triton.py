@@ -5,9 +5,11 @@ request times the GROUP query heads that share one KV head, so every K/V tile is
 GQA group. A tile holds BLOCK_N keys gathered through the block table (one tile may span several
 cache blocks, or part of one). Softmax is online, in fp32, in the exp2 domain.
 
-Split-K (flash decoding): with NUM_SPLITS > 1 each program covers one contiguous share of its
+Split-K (flash decoding): with num_splits > 1 each program covers one contiguous share of its
 request's KV tiles and stores an unnormalized partial (acc, max, sum); a second kernel combines
 the shares. Decode batches use it when (request, kv head) programs alone leave the GPU idle.
+The split count is a runtime argument, so that a batch whose count changes from one step to
+the next runs the same binary.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -71,6 +73,7 @@ def _paged_attention_kernel(
     stride_ch,
     stride_cd,
     stride_bt,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
@@ -79,7 +82,6 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -119,7 +121,7 @@ def _paged_attention_kernel(
     q_pos = context_len + q_local
     kv_len = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -154,28 +156,28 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out_mask = row_valid[:, None] & d_valid[None, :]
-    # Out is contiguous [num_tokens, num_heads, HEAD_DIM], partials [.., NUM_SPLITS(, HEAD_DIM)].
+    # Out is contiguous [num_tokens, num_heads, HEAD_DIM], partials [.., num_splits(, HEAD_DIM)].
     out_row = token * tl.num_programs(1) * GROUP + head
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
     else:
-        row = out_row * NUM_SPLITS + split
+        row = out_row * num_splits + split
         tl.store(part_max_ptr + row, m_i, mask=row_valid)
         tl.store(part_sum_ptr + row, l_i, mask=row_valid)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     out_ptr,
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -187,9 +189,9 @@ def _combine_splits_kernel(
     out_row = token * tl.num_programs(1) * GROUP + head
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_valid = offs_s < NUM_SPLITS
+    s_valid = offs_s < num_splits
     d_valid = offs_d < HEAD_DIM
-    row = out_row[:, None] * NUM_SPLITS + offs_s[None, :]
+    row = out_row[:, None] * num_splits + offs_s[None, :]
     m = tl.load(part_max_ptr + row, mask=s_valid[None, :], other=float("-inf"))
     part_sum = tl.load(part_sum_ptr + row, mask=s_valid[None, :], other=0.0)
     acc = tl.load(
@@ -284,6 +286,7 @@ def paged_attention_triton(
         *query.stride(),
         *kv_cache.stride(),
         md.block_table.stride(0),
+        num_splits,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=kv_cache.shape[2],
         GROUP=group,
@@ -292,7 +295,6 @@ def paged_attention_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
         DOT_DTYPE=tl.float32 if _INTERPRET else _DOT_DTYPES[kv_cache.dtype],
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         num_warps=4,
@@ -304,10 +306,10 @@ def paged_attention_triton(
             part_out,
             part_max,
             part_sum,
+            num_splits,
             HEAD_DIM=head_dim,
             GROUP=group,
             GROUP_PAD=group_pad,
-            NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
         )
