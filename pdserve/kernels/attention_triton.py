@@ -20,13 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import launch_configs
+
 if TYPE_CHECKING:
     from pdserve.kernels.attention import AttentionMetadata
 
 # Each split gets at least this many tiles, so that its partial write stays small next to its
-# KV reads; and there are at most this many splits.
+# KV reads.
 _MIN_TILES_PER_SPLIT = 4
-_MAX_SPLITS = 32
 # Aim for this many programs per SM, so that the last wave is a small share of the work.
 _PROGRAMS_PER_SM = 4
 _LOG2E = 1.4426950408889634
@@ -230,7 +231,7 @@ def num_splits_heuristic(
         return 1
     wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_programs)
     affordable = triton.cdiv(max_seq_len, block_n) // _MIN_TILES_PER_SPLIT
-    return max(1, min(wanted, affordable, _MAX_SPLITS))
+    return max(1, min(wanted, affordable, launch_configs.MAX_SPLITS))
 
 
 def paged_attention_triton(
@@ -250,11 +251,11 @@ def paged_attention_triton(
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    # tl.dot needs at least 16 rows: decode blocks hold one token, prefill blocks fill 64 rows.
-    block_q = 1 if md.max_query_len == 1 else max(1, 64 // group_pad)
-    block_m = max(16, block_q * group_pad)
-    block_n = 64 if head_dim <= 128 else 32
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    # Decode blocks hold one token (padded up to DOT_MIN rows), prefill blocks ATTENTION_ROWS rows.
+    block_q = 1 if md.max_query_len == 1 else max(1, launch_configs.ATTENTION_ROWS // group_pad)
+    block_m = max(launch_configs.DOT_MIN, block_q * group_pad)
+    block_n = launch_configs.attention_block_n(head_dim)
+    block_d = max(launch_configs.DOT_MIN, triton.next_power_of_2(head_dim))
     num_q_blocks = num_tokens // block_q + (md.num_reqs if block_q > 1 else 0)
     if num_splits is None:
         num_sms = (
@@ -297,8 +298,8 @@ def paged_attention_triton(
         BLOCK_D=block_d,
         DOT_DTYPE=tl.float32 if _INTERPRET else _DOT_DTYPES[kv_cache.dtype],
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=3,
+        num_warps=launch_configs.ATTENTION_NUM_WARPS,
+        num_stages=launch_configs.ATTENTION_NUM_STAGES,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_kv_heads)](

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels import backend
+from pdserve.kernels import backend, launch_configs
 
 if backend.HAS_TRITON:
     import triton
@@ -141,8 +141,8 @@ def prepare_inputs_triton(
         out.block_table.stride(0),
         block_table.shape[1],
         block_size,
-        BLOCK_T=128,
-        BLOCK_B=128,
+        BLOCK_T=launch_configs.PREPARE_BLOCK,
+        BLOCK_B=launch_configs.PREPARE_BLOCK,
     )
     return out
 

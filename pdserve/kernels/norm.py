@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import backend, elementwise_cpu
+from pdserve.kernels import backend, elementwise_cpu, launch_configs
 
 if backend.HAS_TRITON:
     import triton
@@ -95,7 +95,7 @@ def _rms_norm_launch(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            num_warps=8 if block >= 4096 else 4,
+            num_warps=launch_configs.rms_norm_num_warps(block),
         )
     out = out.view(x.shape)
     return out, residual_out.view(x.shape) if residual_out is not None else None

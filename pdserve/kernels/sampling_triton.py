@@ -25,13 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.launch_configs import SAMPLING_TILE
 from pdserve.sampling_params import _GREEDY_EPS
 
 if TYPE_CHECKING:
     from pdserve.kernels.sampling import SamplingInputs
 
-# Logits per tile: a program holds BLOCK_B x BLOCK_V of them at once.
-_TILE = 4096
 # Output counts share an int32 with a prompt flag above them (max_model_len stays below it).
 _PROMPT_FLAG = 1 << 24
 _COUNT_MASK = tl.constexpr(_PROMPT_FLAG - 1)
@@ -292,8 +291,8 @@ def _logprobs_kernel(
 
 def _tiles(num_rows: int, vocab_size: int) -> tuple[int, int, tuple[int]]:
     """(BLOCK_B, BLOCK_V, grid) for a [num_rows, vocab_size] pass."""
-    block_v = min(triton.next_power_of_2(vocab_size), _TILE)
-    block_b = min(triton.next_power_of_2(num_rows), _TILE // block_v)
+    block_v = min(triton.next_power_of_2(vocab_size), SAMPLING_TILE)
+    block_b = min(triton.next_power_of_2(num_rows), SAMPLING_TILE // block_v)
     return block_b, block_v, (triton.cdiv(num_rows, block_b),)
 
 
