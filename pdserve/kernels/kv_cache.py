@@ -7,9 +7,11 @@ Slot s is position s % block_size of block s // block_size; slot -1 marks a padd
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from pdserve.kernels import backend
+from pdserve.kernels import backend, native
 
 if backend.HAS_TRITON:
     import triton
@@ -100,6 +102,69 @@ def write_kv_cache_torch(
     kv_cache[block_idx, 1, block_off] = value.to(kv_cache.dtype)
 
 
+class _Strides(ctypes.Structure):
+    """Mirrors `Strides` in csrc/kv_cache_cpu.cpp (in elements)."""
+
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "key_token",
+            "key_head",
+            "value_token",
+            "value_head",
+            "block",
+            "kv",
+            "slot",
+            "head",
+        )
+    ]
+
+
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+def write_kv_cache_cpu(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """The copy of csrc/kv_cache_cpu.cpp; False where it does not apply (a dtype conversion, a
+    head whose elements are not adjacent, no compiler)."""
+    if not (key.dtype == value.dtype == kv_cache.dtype and key.stride(2) == value.stride(2) == 1):
+        return False
+    if kv_cache.stride(4) != 1 or slot_mapping.dtype != torch.int64:
+        return False
+    fn = native.function(
+        "kv_cache_cpu", "pdserve_write_kv_cache", _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
+        ctypes.POINTER(_Strides), ctypes.c_int,
+    )  # fmt: skip
+    if fn is None:
+        return False
+    slot_mapping = slot_mapping.contiguous()
+    strides = _Strides(
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+    )
+    fn(
+        key.data_ptr(),
+        value.data_ptr(),
+        kv_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        slot_mapping.shape[0],
+        key.shape[1],
+        key.shape[2] * key.element_size(),
+        kv_cache.shape[2],
+        key.element_size(),
+        ctypes.byref(strides),
+        torch.get_num_threads(),
+    )
+    return True
+
+
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -107,5 +172,8 @@ def write_kv_cache(
     past len(slot_mapping) (batch padding) and slots -1 are not written."""
     if backend.use_triton(kv_cache.device):
         write_kv_cache_triton(key, value, kv_cache, slot_mapping)
-    else:
+    elif not (
+        backend.use_cpu_kernels(kv_cache.device)
+        and write_kv_cache_cpu(key, value, kv_cache, slot_mapping)
+    ):
         write_kv_cache_torch(key, value, kv_cache, slot_mapping)
