@@ -57,11 +57,12 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in float32 of hidden states [N, embedding_dim], as an LM head."""
+        """Logits [N, vocab] of hidden states [N, embedding_dim], as an LM head, in the weights'
+        dtype: the sampler computes in float32 where it needs to (a greedy argmax does not)."""
         logits = linear(hidden_states, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.num_embeddings]
-        return logits.float()
+        return logits
 
 
 class ParallelLMHead(VocabParallelEmbedding):
