@@ -41,9 +41,12 @@ def test_shapes_off_the_vector_path() -> None:
     _check(*_batch(MIXED, group=9, head_dim=64, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
-def test_decodes_over_many_blocks(block_size: int) -> None:
-    _check(*_batch([(1, 150), (1, 0), (1, 31), (1, 32), (1, 33)], block_size=block_size))
+def test_decodes_over_many_blocks(block_size: int, dtype: torch.dtype) -> None:
+    # bf16 scores 16 keys at a time: blocks of 4 give partial groups, blocks of 32 two groups.
+    requests = [(1, 150), (1, 0), (1, 31), (1, 32), (1, 33)]
+    _check(*_batch(requests, block_size=block_size, dtype=dtype, group=3))
 
 
 def test_strided_query() -> None:
