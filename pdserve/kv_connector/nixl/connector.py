@@ -46,7 +46,7 @@ class NixlConnector(KVConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta()
+        return self.scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -70,7 +70,7 @@ class NixlConnector(KVConnectorBase):
         return self.scheduler is not None and self.scheduler.has_pending_transfers()
 
     def get_stats(self) -> dict[str, float]:
-        return dict(self.scheduler.stats) if self.scheduler is not None else {}
+        return self.scheduler.get_stats() if self.scheduler is not None else {}
 
     # ---- worker role ------------------------------------------------------------------------
 
@@ -85,6 +85,10 @@ class NixlConnector(KVConnectorBase):
     def start_load_kv(self) -> None:
         assert self.worker is not None
         self.worker.start_load_kv()
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None

@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING
 import msgspec
 
 import pdserve
+from pdserve.kv_connector.transport.base import MemoryKind
 
 if TYPE_CHECKING:
     import torch
 
 # Bumped whenever a message below or the KV layout changes meaning.
-NIXL_CONNECTOR_VERSION = 1
+NIXL_CONNECTOR_VERSION = 2
 KV_LAYOUT = "block-major:[blocks,layers,2,block_size,kv_heads,head_dim]"
 
 
@@ -27,6 +28,17 @@ class RecvReqMeta(msgspec.Struct, array_like=True):
     remote_host: str
     remote_port: int
     remote_tp_size: int
+    # Host staging: the blocks of the staging buffer the READ lands in (local_block_ids[i]'s
+    # bytes in staging_block_ids[i]), copied into the cache once all arrived.
+    staging_block_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class SaveReqMeta(msgspec.Struct, array_like=True):
+    """Host staging, prefill side: copy the cache's `block_ids` into the staging buffer's
+    `staging_block_ids` after this step's forward pass (which completes the prompt)."""
+
+    block_ids: list[int]
+    staging_block_ids: list[int]
 
 
 class NixlConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -36,10 +48,14 @@ class NixlConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True)
     reqs_to_send: dict[str, float] = msgspec.field(default_factory=dict)
     # Decode side: remote engine id -> its request ids still awaited (heartbeats extend leases).
     heartbeats: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    reqs_to_save: dict[str, SaveReqMeta] = msgspec.field(default_factory=dict)
 
 
 class AgentMetadata(msgspec.Struct, array_like=True):
-    """One worker rank's answer to a handshake: how to reach its KV cache and how it is laid out."""
+    """One worker rank's answer to a handshake: how to reach its KV cache and how it is laid out.
+
+    The blocks are those of the region peers read: the KV cache, or its host staging buffer.
+    """
 
     engine_id: str
     tp_rank: int
@@ -53,6 +69,7 @@ class AgentMetadata(msgspec.Struct, array_like=True):
     head_dim: int
     num_layers: int
     dtype: str
+    memory: MemoryKind  # of the region peers read
 
 
 class HandshakePayload(msgspec.Struct, array_like=True):

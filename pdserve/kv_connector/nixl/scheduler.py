@@ -6,13 +6,22 @@ import logging
 import time
 from typing import Any
 
+import msgspec
+
 from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.kv_connector.nixl.handshake import HandshakeServer
-from pdserve.kv_connector.nixl.metadata import NixlConnectorMetadata, RecvReqMeta
+from pdserve.kv_connector.nixl.metadata import (
+    AgentMetadata,
+    HandshakePayload,
+    NixlConnectorMetadata,
+    RecvReqMeta,
+)
+from pdserve.kv_connector.nixl.staging import StagingPool
 from pdserve.outputs import KVConnectorOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.scheduler.block_pool import KVCacheBlock
+from pdserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +32,10 @@ _REMOTE_FIELDS = (
     "remote_host",
     "remote_port",
 )
+
+
+# A prefill request that ends so is read; any other ending (an abort) is not.
+_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
 def _has_remote_fields(params: dict[str, Any]) -> bool:
@@ -36,6 +49,8 @@ class NixlConnectorScheduler:
         self.engine_id = kv.engine_id
         self.lease_duration = kv.kv_lease_duration
         self.tp_size = config.parallel_config.tensor_parallel_size
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = config.model_config.max_model_len
         self.side_channel_host = envs.side_channel_host()
         self.side_channel_port = envs.side_channel_port()
         self.server: HandshakeServer | None = None
@@ -54,26 +69,69 @@ class NixlConnectorScheduler:
         # stray id in finished_sending must not end the polling while others still wait.
         self._sending: set[str] = set()
         self.stats: dict[str, float] = {}
+        # Host staging: the pool of the workers' staging buffer blocks (sized here when the
+        # config says, else from the workers' handshake metadata).
+        self.host_staging = kv.uses_host_staging(config.device)
+        self.staging: StagingPool | None = None
+        if self.host_staging and kv.host_buffer_blocks is not None:
+            self._make_staging_pool(kv.host_buffer_blocks)
+
+    def _make_staging_pool(self, num_blocks: int) -> None:
+        self.staging = StagingPool(num_blocks, self.block_size, self.max_model_len)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, bytes]) -> None:
+        if self.host_staging and self.staging is None:
+            # Every rank's staging buffer has as many blocks as its KV cache.
+            payload = msgspec.msgpack.decode(metadata[0], type=HandshakePayload)
+            agent = msgspec.msgpack.decode(payload.agent_metadata, type=AgentMetadata)
+            self._make_staging_pool(agent.num_blocks)
         self.server = HandshakeServer(self.side_channel_host, self.side_channel_port, metadata)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         # Without every remote field no read can start (update_state_after_alloc warns): the
         # request prefills here rather than wait for KV that never comes.
         if params and params.get("do_remote_prefill") and _has_remote_fields(params):
             count = request.num_prompt_tokens - num_computed_tokens
             if count > 0:
+                # The blocks beyond the local hit land in staging first: wait for room.
+                staging = self.staging
+                if (
+                    staging is not None
+                    and self._stages_read(params)
+                    and not staging.can_read(request, num_computed_tokens)
+                ):
+                    return None, False
                 return count, True
+        elif self._stages_save(request):
+            assert self.staging is not None
+            if not self.staging.can_save(request):
+                return None, False
         return 0, False
+
+    def _stages_read(self, params: dict[str, Any]) -> bool:
+        """Decode side: a READ lands in staging (heterogeneous TP has its own staging area,
+        in host memory too when the buffer device is cpu)."""
+        return self.staging is not None and int(params.get("tp_size") or 1) == self.tp_size
+
+    def _stages_save(self, request: Request) -> bool:
+        """Prefill side: a request that will stage and holds no staging blocks yet."""
+        params = request.kv_transfer_params
+        return (
+            self.staging is not None
+            and bool(params and params.get("do_remote_decode"))
+            and not self.staging.holds_save(request.request_id)
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
+        if self._stages_save(request):
+            assert self.staging is not None
+            self.staging.reserve_save(request)
         if not params or not params.get("do_remote_prefill"):
             return
         if not _has_remote_fields(params):
@@ -89,6 +147,10 @@ class NixlConnectorScheduler:
             local = (
                 [b.block_id for b in blocks if b.block_hash is None] if num_external_tokens else []
             )
+            staging_ids = []
+            if local and self._stages_read(params):
+                assert self.staging is not None
+                staging_ids = self.staging.reserve_read(request.request_id, len(local))
             self._reqs_need_recv[request.request_id] = RecvReqMeta(
                 local,
                 list(params["remote_block_ids"]),
@@ -97,6 +159,7 @@ class NixlConnectorScheduler:
                 params["remote_host"],
                 int(params["remote_port"]),
                 int(params.get("tp_size") or 1),
+                staging_ids,
             )
             self._awaited[request.request_id] = (
                 params["remote_engine_id"],
@@ -106,8 +169,10 @@ class NixlConnectorScheduler:
         # One transfer per request, also after a preemption.
         params["do_remote_prefill"] = False
 
-    def build_connector_meta(self) -> NixlConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         meta = NixlConnectorMetadata(self._reqs_need_recv, self._reqs_need_send)
+        if self.staging is not None:
+            meta.reqs_to_save = self.staging.save_orders(scheduler_output)
         now = time.monotonic()
         if self._awaited and now - self._last_heartbeat >= self.lease_duration / 6:
             self._last_heartbeat = now
@@ -137,6 +202,11 @@ class NixlConnectorScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         self._awaited.pop(request.request_id, None)
         params = request.kv_transfer_params
+        staging_ids = None
+        if self.staging is not None and self.staging.holds_save(request.request_id):
+            staging_ids = self.staging.end_save(request, request.status in _DONE)
+            if staging_ids is None:
+                return False, None
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
@@ -145,19 +215,17 @@ class NixlConnectorScheduler:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        if request.status not in (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
-        ):
+        if request.status not in _DONE:
             return False, None  # aborted: nobody will read
-        delay = len(block_ids) > 0
-        if delay:
+        # A staged copy is what the reader reads: the device blocks are free at once.
+        remote_ids = block_ids if staging_ids is None else staging_ids
+        if remote_ids:
             self._reqs_need_send[request.request_id] = time.time() + self.lease_duration
             self._sending.add(request.request_id)
-        return delay, {
+        return staging_ids is None and len(block_ids) > 0, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": list(block_ids),
+            "remote_block_ids": list(remote_ids),
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.side_channel_host,
@@ -167,12 +235,25 @@ class NixlConnectorScheduler:
         }
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self._sending.difference_update(output.finished_sending or ())
+        sent = output.finished_sending or set()
+        self._sending.difference_update(sent)
+        if self.staging is not None and (staged := self.staging.sent(sent)):
+            # Their requests were freed when they finished: the ids are this connector's own.
+            output.finished_sending = (sent - staged) or None
         for req_id in output.finished_recving or ():
             self._awaited.pop(req_id, None)
             self._reading.discard(req_id)
+            if self.staging is not None:
+                self.staging.read_ended(req_id)
         for name, value in (output.stats or {}).items():
             self.stats[name] = self.stats.get(name, 0.0) + value
+
+    def get_stats(self) -> dict[str, float]:
+        stats = dict(self.stats)
+        if self.staging is not None:
+            stats["staging_free_blocks"] = self.staging.num_free
+            stats["staging_total_blocks"] = self.staging.num_blocks
+        return stats
 
     def has_pending_transfers(self) -> bool:
         return bool(self._sending or self._reading)

@@ -6,7 +6,9 @@ the blocks go to a registered staging area and this rank's heads are copied out:
   reads the whole blocks and keeps its slice (the prefill side waits for r readers);
 - prefill TP = k x decode TP: a decode rank reads the same blocks from k prefill ranks, each
   with a slice of its heads, and joins them.
-Staging rows are laid out [remote rank j][block id], so runs of blocks stay contiguous.
+Staging rows are laid out [remote rank j][block id], so runs of blocks stay contiguous. They
+live where the registered memory does: on the cache's device, or in (pinned) host memory when
+the transport moves host memory (kv_buffer_device "cpu").
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ class RemoteEngine:
 
 class Topology:
     def __init__(
-        self, kv_cache: torch.Tensor, tp_rank: int, tp_size: int, transport: Transport
+        self,
+        kv_cache: torch.Tensor,
+        tp_rank: int,
+        tp_size: int,
+        transport: Transport,
+        buffer_device: torch.device,
     ) -> None:
         self.kv_cache = kv_cache
+        self.buffer_device = buffer_device
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.transport = transport
@@ -87,7 +95,12 @@ class Topology:
     def _staging_for(self, remote_tp: int, remote_block_len: int) -> tuple[int, torch.Tensor]:
         if remote_tp not in self._staging:
             rows = len(self.remote_ranks(remote_tp))
-            tensor = torch.empty(rows * self.num_blocks * remote_block_len, dtype=torch.uint8)
+            tensor = torch.empty(
+                rows * self.num_blocks * remote_block_len,
+                dtype=torch.uint8,
+                device=self.buffer_device,
+                pin_memory=self.buffer_device.type == "cpu" and self.kv_cache.is_cuda,
+            )
             self._staging[remote_tp] = (self.transport.register_region(tensor), tensor)
         return self._staging[remote_tp]
 
@@ -97,7 +110,8 @@ class Topology:
             return
         _, raw = self._staging[remote_tp]
         cache = self.kv_cache
-        idx = torch.tensor(local_ids, dtype=torch.long)
+        idx = torch.tensor(local_ids, dtype=torch.long, device=raw.device)
+        dst = idx.to(cache.device)  # from host staging to a CUDA cache the heads cross here
         per_block = cache[0].numel() * self.tp_size // remote_tp  # elements of one remote block
         heads = self.num_kv_heads
         if remote_tp < self.tp_size:
@@ -106,7 +120,7 @@ class Topology:
                 self.num_blocks, *cache.shape[1:4], heads * ratio, cache.shape[5]
             )
             off = (self.tp_rank % ratio) * heads
-            cache[idx] = staging[idx, :, :, :, off : off + heads]
+            cache[dst] = staging[idx, :, :, :, off : off + heads].to(cache.device)
         else:
             k = remote_tp // self.tp_size
             part = heads // k
@@ -114,4 +128,4 @@ class Topology:
                 k, self.num_blocks, *cache.shape[1:4], part, cache.shape[5]
             )
             for j in range(k):
-                cache[idx, :, :, :, j * part : (j + 1) * part] = staging[j, idx]
+                cache[dst, :, :, :, j * part : (j + 1) * part] = staging[j, idx].to(cache.device)

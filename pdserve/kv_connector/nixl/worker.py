@@ -7,6 +7,10 @@ transport's notification when the bytes have left. Prefill side: finished reques
 blocks under a lease; a `done` notification from every reader frees them, heartbeats extend
 the lease, expiry frees them anyway. Nothing here raises out of a step: a failure ends the one
 request (its blocks reported invalid) and is counted.
+
+With host staging the transport registers a host buffer instead of the cache: the prefill side
+copies a request's blocks into it after the forward pass that completes its prompt, the decode
+side READs into it and copies into the cache before it reports the load done (staging.py).
 """
 
 from __future__ import annotations
@@ -21,17 +25,24 @@ import torch
 
 from pdserve import envs
 from pdserve.config import EngineConfig
-from pdserve.kv_connector.nixl.handshake import fetch_agent_metadata
+from pdserve.kv_connector.nixl.handshake import HandshakeError, fetch_agent_metadata
 from pdserve.kv_connector.nixl.metadata import (
     AgentMetadata,
     HandshakePayload,
     NixlConnectorMetadata,
     Notif,
     RecvReqMeta,
+    SaveReqMeta,
     compatibility_hash,
 )
+from pdserve.kv_connector.nixl.staging import HostBuffer
 from pdserve.kv_connector.nixl.topology import RemoteEngine, Topology
-from pdserve.kv_connector.transport.base import XferState, block_descs, make_transport
+from pdserve.kv_connector.transport.base import (
+    XferState,
+    block_descs,
+    make_transport,
+    memory_kind,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +79,21 @@ class NixlConnectorWorker:
         self.transport_name = kv.transport
         self.architecture = config.model_config.architecture
         self.enforce_handshake_compat = kv.enforce_handshake_compat
+        self.host_staging = kv.uses_host_staging(config.device)
+        self.host_buffer_blocks = kv.host_buffer_blocks
         self.transport = make_transport(
             kv.transport,
             f"{self.engine_id}:{tp_rank}",
             envs.side_channel_host(),
             kv.transfer_timeout,
             kv.ucx_tls,
+            device_memory=kv.buffer_device(config.device) == "cuda",
         )
         self.kv_cache: torch.Tensor | None = None
+        # What the transport registered and peers read: the cache, or its host buffer.
+        self.region: torch.Tensor | None = None
+        self.host_buffer: HostBuffer | None = None
+        self._saves: dict[str, SaveReqMeta] = {}
         self.topology: Topology | None = None
         # Of the registered cache: its layout is what the peers must agree on.
         self.compat_hash: str | None = None
@@ -101,25 +119,33 @@ class NixlConnectorWorker:
         self.compat_hash = compatibility_hash(
             self.architecture, kv_cache, self.tp_size, self.transport_name
         )
-        self.transport.register_region(kv_cache)
-        self.topology = Topology(kv_cache, self.tp_rank, self.tp_size, self.transport)
+        region = kv_cache
+        if self.host_staging:
+            self.host_buffer = HostBuffer(kv_cache, self.host_buffer_blocks or kv_cache.shape[0])
+            region = self.host_buffer.tensor
+        self.region = region
+        self.transport.register_region(region)
+        self.topology = Topology(
+            kv_cache, self.tp_rank, self.tp_size, self.transport, region.device
+        )
 
     def get_handshake_metadata(self) -> bytes:
-        assert self.kv_cache is not None and self.compat_hash is not None
-        cache = self.kv_cache
+        assert self.region is not None and self.compat_hash is not None
+        region = self.region
         meta = AgentMetadata(
             self.engine_id,
             self.tp_rank,
             self.tp_size,
             self.transport_name,
             self.transport.get_agent_metadata(),
-            cache.shape[0],
-            cache[0].nbytes,
-            cache.shape[3],
-            cache.shape[4],
-            cache.shape[5],
-            cache.shape[1],
-            str(cache.dtype).removeprefix("torch."),
+            region.shape[0],
+            region[0].nbytes,
+            region.shape[3],
+            region.shape[4],
+            region.shape[5],
+            region.shape[1],
+            str(region.dtype).removeprefix("torch."),
+            memory_kind(region),
         )
         return msgspec.msgpack.encode(
             HandshakePayload(self.compat_hash, msgspec.msgpack.encode(meta))
@@ -132,6 +158,7 @@ class NixlConnectorWorker:
 
     def start_load_kv(self) -> None:
         meta, self._meta = self._meta, NixlConnectorMetadata()
+        self._saves = meta.reqs_to_save
         for req_id, expiry in meta.reqs_to_send.items():
             lease = self._leases[req_id] = _Lease(expiry)
             if req_id in self._early_reads:
@@ -144,6 +171,18 @@ class NixlConnectorWorker:
             if engine is not None:
                 self._notify(engine, Notif("heartbeat", remote_ids))
         self._start_loads()
+
+    def wait_for_save(self) -> None:
+        """Host staging, prefill side: the step's forward pass wrote the last blocks of these
+        requests' prompts; their staged copies are complete before the step's output (and with
+        it the requests' kv_transfer_params) goes out."""
+        saves, self._saves = self._saves, {}
+        if saves:
+            assert self.host_buffer is not None
+            self.host_buffer.save(
+                [b for save in saves.values() for b in save.block_ids],
+                [b for save in saves.values() for b in save.staging_block_ids],
+            )
 
     def _start_loads(self) -> None:
         for req_id, meta in list(self._waiting.items()):
@@ -176,9 +215,21 @@ class NixlConnectorWorker:
                 meta.remote_engine_id,
                 self.handshake_timeout,
             )
+            self._check_memory(remote)
             self.topology.check_compatible(remote, meta.remote_tp_size)
             agents.append((self.transport.add_remote_agent(remote.agent_metadata), remote))
         return RemoteEngine(meta.remote_engine_id, meta.remote_tp_size, agents)
+
+    def _check_memory(self, remote: AgentMetadata) -> None:
+        assert self.region is not None
+        obstacle = self.transport.read_obstacle(remote.memory)
+        if obstacle is not None:
+            raise HandshakeError(
+                f"KV handshake with engine {remote.engine_id} rank {remote.tp_rank}: its KV "
+                f"memory is {remote.memory}, this instance's is {memory_kind(self.region)}, and "
+                f"the {self.transport_name} transport here cannot read {remote.memory} memory "
+                f"({obstacle})."
+            )
 
     def _read(self, req_id: str, meta: RecvReqMeta, engine: RemoteEngine) -> None:
         assert self.topology is not None
@@ -201,9 +252,11 @@ class NixlConnectorWorker:
         # Started before posting: the NIXL backend may copy inside read() itself.
         start = time.perf_counter()
         handles, num_bytes, num_descs = [], 0, 0
+        # Staged, the bytes land in the host buffer's blocks first.
+        dest = meta.staging_block_ids or local
         for j, (agent, remote_meta) in enumerate(engine.agents):
             region, targets = self.topology.read_target(
-                local, j, engine.tp_size, remote_meta.block_len
+                dest, j, engine.tp_size, remote_meta.block_len
             )
             local_descs, remote_descs = block_descs(
                 region, targets, 0, remote, remote_meta.block_len
@@ -315,6 +368,9 @@ class NixlConnectorWorker:
                 )
                 self._fail(req_id, load.local_block_ids, "failed_transfers")
                 continue
+            if load.meta.staging_block_ids:
+                assert self.host_buffer is not None
+                self.host_buffer.load(load.meta.staging_block_ids, load.local_block_ids)
             self.topology.finish(load.local_block_ids, load.remote_tp)
             self._done_recving.add(req_id)
             self._count("transfers")

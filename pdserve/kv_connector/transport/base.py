@@ -30,6 +30,27 @@ class Desc(msgspec.Struct, array_like=True, frozen=True):
     length: int
 
 
+class MemoryKind(msgspec.Struct, array_like=True, frozen=True):
+    """Where a region lives: host memory, or the memory of CUDA device `device_index`."""
+
+    kind: str  # "host" | "device"
+    device_index: int = 0
+
+    def __str__(self) -> str:
+        return "host" if self.kind == "host" else f"device (cuda:{self.device_index})"
+
+
+HOST = MemoryKind("host")
+
+
+def memory_kind(tensor: torch.Tensor) -> MemoryKind:
+    if tensor.device.type == "cpu":
+        return HOST
+    if tensor.device.type == "cuda":
+        return MemoryKind("device", tensor.device.index or 0)
+    raise ValueError(f"a transport region is CPU or CUDA memory, got device {tensor.device}.")
+
+
 class Transport(abc.ABC):
     """One agent: its registered regions, the peers it knows and the transfers it started.
 
@@ -38,6 +59,8 @@ class Transport(abc.ABC):
     """
 
     name: str
+    # Why this agent cannot move CUDA memory; None when it can. Set by each backend.
+    no_device_reason: str | None = "torch sees no CUDA device"
 
     def __init__(self, agent_name: str, host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
         if timeout_s <= 0:
@@ -47,14 +70,30 @@ class Transport(abc.ABC):
         self.timeout_s = timeout_s
         # Held so the memory outlives every transfer that may touch it.
         self._tensors: list[torch.Tensor] = []
+        self._kinds: list[MemoryKind] = []
+
+    def reaches(self, kind: MemoryKind) -> bool:
+        """Whether this agent can register memory of `kind`."""
+        return kind.kind == "host" or self.no_device_reason is None
+
+    def read_obstacle(self, remote: MemoryKind) -> str | None:
+        """Why a READ from a peer's `remote` memory cannot work here, None when it can. A
+        one-sided READ touches the remote memory from this side, so it must reach that kind."""
+        return None if self.reaches(remote) else self.no_device_reason
 
     def _add_region(self, tensor: torch.Tensor) -> int:
-        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
+        kind = memory_kind(tensor)
+        if not tensor.is_contiguous() or tensor.numel() == 0:
             raise ValueError(
-                f"register_region needs a non-empty contiguous CPU tensor, got device="
-                f"{tensor.device}, contiguous={tensor.is_contiguous()}, numel={tensor.numel()}."
+                f"register_region needs a non-empty contiguous tensor, got contiguous="
+                f"{tensor.is_contiguous()}, numel={tensor.numel()}."
+            )
+        if not self.reaches(kind):
+            raise ValueError(
+                f"the {self.name} transport cannot register {kind} memory: {self.no_device_reason}."
             )
         self._tensors.append(tensor)
+        self._kinds.append(kind)
         return len(self._tensors) - 1
 
     def _region_sizes(self) -> list[int]:
@@ -62,7 +101,7 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def register_region(self, tensor: torch.Tensor) -> int:
-        """Register a contiguous CPU tensor; returns its region index (0, 1, ...)."""
+        """Register a contiguous CPU or CUDA tensor; returns its region index (0, 1, ...)."""
 
     @abc.abstractmethod
     def get_agent_metadata(self) -> bytes:
@@ -156,6 +195,8 @@ def block_descs(
 
 
 BACKENDS = ("nixl", "ucx")
+# The ucx backend's shared-memory defaults plus UCX's CUDA copy and IPC transports.
+CUDA_TLS = "self,posix,cuda_copy,cuda_ipc"
 
 
 def make_transport(
@@ -164,10 +205,13 @@ def make_transport(
     host: str = "127.0.0.1",
     timeout_s: float = 10.0,
     ucx_tls: str | None = None,
+    device_memory: bool = False,
 ) -> Transport:
     """The transport `name` ("nixl" or "ucx"); its library is imported only when chosen.
 
-    `ucx_tls` overrides the ucx backend's UCX transports (e.g. "self,posix,tcp" between hosts).
+    `ucx_tls` overrides the ucx backend's UCX transports (e.g. "self,posix,tcp" between hosts);
+    `device_memory`: CUDA regions will be registered (the ucx backend adds UCX's CUDA
+    transports to its defaults).
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(BACKENDS)}.")
@@ -187,6 +231,7 @@ def make_transport(
             "ucx": "pip install ucxx-cu12==0.52.0",
         }[name]
         raise RuntimeError(f"transport {name!r} cannot import its library ({e}); {install}") from e
-    if name == "ucx" and ucx_tls:
-        return UcxTransport(agent_name, host, timeout_s, ucx_config={"TLS": ucx_tls})
+    if name == "ucx":
+        tls = ucx_tls or (CUDA_TLS if device_memory else None)
+        return UcxTransport(agent_name, host, timeout_s, ucx_config={"TLS": tls} if tls else None)
     return cls(agent_name, host, timeout_s)

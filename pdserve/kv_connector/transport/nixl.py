@@ -28,7 +28,13 @@ except ImportError:
     from nixl_cu12 import _bindings
     from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
-from pdserve.kv_connector.transport.base import Desc, Transport, XferState, check_descs
+from pdserve.kv_connector.transport.base import (
+    Desc,
+    MemoryKind,
+    Transport,
+    XferState,
+    check_descs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,18 +44,26 @@ _NIXL_ERRORS = tuple(
 )
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PENDING, "ERR": XferState.ERROR}
 _agent_lock = threading.Lock()
+# NIXL's memory segment of each kind: host memory is DRAM, CUDA memory VRAM.
+MEM_TYPES = {"host": "DRAM", "device": "VRAM"}
+
+
+class Region(msgspec.Struct, array_like=True, frozen=True):
+    base: int  # remote descriptors are addresses
+    size: int
+    kind: MemoryKind  # a descriptor names its segment (DRAM or VRAM) and device
 
 
 class NixlAgentMetadata(msgspec.Struct, array_like=True, frozen=True):
     name: str
     nixl: bytes  # nixl_agent.get_agent_metadata(): connection info and memory keys
-    regions: list[tuple[int, int]]  # (base address, bytes): remote descriptors are addresses
+    regions: list[Region]
 
 
 @dataclass
 class _Peer:
     metadata: bytes
-    regions: list[tuple[int, int]]
+    regions: list[Region]
 
 
 @dataclass
@@ -60,9 +74,19 @@ class _Xfer:
     state: XferState = XferState.PENDING
 
 
-def _rows(descs: list[Desc], bases: list[int]) -> np.ndarray:
-    """NIXL's Nx3 descriptor array: (address, length, device 0) per descriptor."""
-    return np.array([(bases[d.region] + d.offset, d.length, 0) for d in descs], np.uint64)
+def xfer_descs(descs: list[Desc], regions: list[Region]) -> tuple[np.ndarray, str]:
+    """NIXL's Nx3 descriptor array, (address, length, device index) per descriptor, and the
+    segment they lie in; a NIXL descriptor list holds one segment, so a side of a READ must
+    lie in memory of one kind."""
+    kinds = {regions[d.region].kind for d in descs}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"a READ's descriptors on one side lie in {', '.join(sorted(map(str, kinds)))} "
+            "memory; one kind per side."
+        )
+    (kind,) = kinds
+    rows = [(regions[d.region].base + d.offset, d.length, kind.device_index) for d in descs]
+    return np.array(rows, np.uint64), MEM_TYPES[kind.kind]
 
 
 @contextmanager
@@ -100,6 +124,10 @@ class NixlTransport(Transport):
         # NIXL's metadata carries its own connection info; `host` is kept for the interface.
         with _progress_delay(progress_delay_us):
             self._agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        if "VRAM_SEG" not in self._agent.get_backend_mem_types("UCX"):
+            self.no_device_reason = "NIXL's UCX backend lists no VRAM segment"
+        elif torch.cuda.is_available():
+            self.no_device_reason = None
         self._regs: list[object] = []
         self._peers: dict[str, _Peer] = {}
         self._xfers: dict[int, _Xfer] = {}
@@ -108,12 +136,19 @@ class NixlTransport(Transport):
 
     def register_region(self, tensor: torch.Tensor) -> int:
         region = self._add_region(tensor)
-        self._regs.append(self._agent.register_memory(tensor))
+        kind = self._kinds[region]
+        entry = (tensor.data_ptr(), tensor.nbytes, kind.device_index, "")
+        self._regs.append(self._agent.register_memory([entry], MEM_TYPES[kind.kind]))
         return region
 
+    def _regions(self) -> list[Region]:
+        return [
+            Region(t.data_ptr(), size, kind)
+            for t, size, kind in zip(self._tensors, self._region_sizes(), self._kinds)
+        ]
+
     def get_agent_metadata(self) -> bytes:
-        regions = [(t.data_ptr(), size) for t, size in zip(self._tensors, self._region_sizes())]
-        md = NixlAgentMetadata(self.agent_name, self._agent.get_agent_metadata(), regions)
+        md = NixlAgentMetadata(self.agent_name, self._agent.get_agent_metadata(), self._regions())
         return msgspec.msgpack.encode(md)
 
     def add_remote_agent(self, metadata: bytes) -> str:
@@ -145,17 +180,17 @@ class NixlTransport(Transport):
         peer = self._peers.get(remote_agent)
         if peer is None:
             raise ValueError(f"unknown agent {remote_agent!r}; add_remote_agent it first.")
-        check_descs(local, remote, self._region_sizes(), [size for _, size in peer.regions])
-        local_rows = _rows(local, [t.data_ptr() for t in self._tensors])
-        remote_rows = _rows(remote, [base for base, _ in peer.regions])
+        check_descs(local, remote, self._region_sizes(), [r.size for r in peer.regions])
+        local_rows, local_mem = xfer_descs(local, self._regions())
+        remote_rows, remote_mem = xfer_descs(remote, peer.regions)
         self._next_handle += 1
         xfer = _Xfer(remote_agent, time.monotonic(), None)
         self._xfers[self._next_handle] = xfer
         try:
             xfer.handle = self._agent.initialize_xfer(
                 "READ",
-                self._agent.get_xfer_descs(local_rows, "DRAM"),
-                self._agent.get_xfer_descs(remote_rows, "DRAM"),
+                self._agent.get_xfer_descs(local_rows, local_mem),
+                self._agent.get_xfer_descs(remote_rows, remote_mem),
                 remote_agent,
                 notif,
             )

@@ -15,7 +15,13 @@ from functools import partial
 import torch
 
 from pdserve.kv_connector.transport import ucx_messages as wire
-from pdserve.kv_connector.transport.base import Desc, Transport, XferState, check_descs
+from pdserve.kv_connector.transport.base import (
+    Desc,
+    MemoryKind,
+    Transport,
+    XferState,
+    check_descs,
+)
 from pdserve.kv_connector.transport.ucx_service import Peer, Read, Service, Shared
 
 DEFAULT_UCX_CONFIG = {
@@ -28,6 +34,14 @@ DEFAULT_UCX_CONFIG = {
     # rendezvous handshake per block costs more than it saves, most of all on a busy machine.
     "RNDV_THRESH": "65536",
 }
+
+
+def tls_reaches_device(tls: str) -> bool:
+    """Whether a UCX_TLS value enables a CUDA transport (cuda, cuda_copy, cuda_ipc, gdr_copy,
+    or all); a value starting with ^ lists the transports left out."""
+    names = tls.removeprefix("^").split(",")
+    named = any(n == "all" or n.startswith(("cuda", "gdr")) for n in names)
+    return not named if tls.startswith("^") else named
 
 
 class UcxTransport(Transport):
@@ -44,12 +58,28 @@ class UcxTransport(Transport):
         # Peers are reached through the worker address in the metadata; `host` is unused.
         self._shared = Shared()
         config = {**DEFAULT_UCX_CONFIG, **(ucx_config or {})}
+        if not tls_reaches_device(config["TLS"]):
+            self.no_device_reason = f"its UCX TLS {config['TLS']!r} has no CUDA transport"
+        elif torch.cuda.is_available():
+            self.no_device_reason = None
         self._service = Service(agent_name, self._shared, config, timeout_s)
         self._ids = itertools.count(1)
 
+    def read_obstacle(self, remote: MemoryKind) -> None:
+        # The owner sends from its own memory, which it registered: a reader touches only its
+        # own regions, whatever the peer's kind.
+        return None
+
     def register_region(self, tensor: torch.Tensor) -> int:
         region = self._add_region(tensor)
-        self._shared.views.append(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+        flat = tensor.detach().reshape(-1).view(torch.uint8)
+        kind = self._kinds[region]
+        if kind.kind == "device":
+            # ucxx takes CUDA memory through __cuda_array_interface__, which a tensor has.
+            self._service.submit(partial(self._service.use_cuda_device, kind.device_index))
+            self._shared.views.append(flat)
+        else:
+            self._shared.views.append(flat.numpy())
         return region
 
     def get_agent_metadata(self) -> bytes:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+import torch
 
 from pdserve.kv_connector.transport import ucx_messages as wire
 from pdserve.kv_connector.transport.base import Desc, XferState, check_descs
@@ -55,7 +56,8 @@ class Read:
 class Shared:
     """What the API methods and the service thread both touch; `lock` guards peers and notifs."""
 
-    views: list[np.ndarray] = field(default_factory=list)  # uint8 views of the regions
+    # uint8 views of the regions: numpy arrays of host memory, tensors of CUDA memory.
+    views: list[np.ndarray | torch.Tensor] = field(default_factory=list)
     peers: dict[str, Peer] = field(default_factory=dict)
     reads: dict[int, Read] = field(default_factory=dict)
     notifs: list[tuple[str, bytes]] = field(default_factory=list)
@@ -175,6 +177,11 @@ class Service:
             del self._worker, self._context
 
     # -- commands (service thread) ------------------------------------------------------
+
+    def use_cuda_device(self, device_index: int) -> None:
+        """UCX's CUDA transports work in the calling thread's current CUDA context (ucxx's own
+        progress thread sets one too): this thread makes the device's context current."""
+        torch.cuda.set_device(device_index)
 
     def connect(self, peer: Peer, replaced: Peer | None, hello: bytes | None) -> None:
         if replaced is not None:  # a new address under a known name: the peer restarted

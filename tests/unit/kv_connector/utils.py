@@ -33,9 +33,11 @@ def create_scheduler(
     policy: str = "fail",
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 16,
+    kv_buffer_device: str | None = None,
+    **kv_extra: Any,
 ) -> Scheduler:
     """A scheduler of `num_blocks` blocks (one is the null block) with prefix caching on;
-    `policy` is the kv_load_failure_policy."""
+    `policy` is the kv_load_failure_policy, `kv_extra` more kv_connector_extra_config."""
     config = EngineConfig.from_engine_args(
         model=model,
         block_size=block_size,
@@ -44,7 +46,8 @@ def create_scheduler(
         kv_transfer_config={
             "kv_connector": "NixlConnector",
             "kv_role": kv_role,
-            "kv_connector_extra_config": {"kv_load_failure_policy": policy},
+            "kv_connector_extra_config": {"kv_load_failure_policy": policy, **kv_extra},
+            "kv_buffer_device": kv_buffer_device,
         },
     )
     connector = NixlConnector(config, KVConnectorRole.SCHEDULER)
