@@ -105,6 +105,10 @@ class EngineMetrics:
             "handshake_failures": "Side-channel handshakes that failed.",
         }
         self.kv_counters = {name: counter(f"kv_{name}", doc) for name, doc in kv_docs.items()}
+        self.kv_gauges = {
+            "staging_free_blocks": gauge("kv_staging_free_blocks", "Free host staging blocks."),
+            "staging_total_blocks": gauge("kv_staging_total_blocks", "Host staging blocks."),
+        }
         self._labels = labels
         self._last_kv_stats: dict[str, float] = {}
         self._last_stats: SchedulerStats | None = None
@@ -137,6 +141,9 @@ class EngineMetrics:
 
     def record_kv_connector_stats(self, stats: dict[str, float]) -> None:
         for name, value in stats.items():
+            if name in self.kv_gauges:
+                self.kv_gauges[name].set(value)
+                continue
             delta = value - self._last_kv_stats.get(name, 0.0)
             if name in self.kv_counters and delta > 0:
                 self.kv_counters[name].inc(delta)

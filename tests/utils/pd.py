@@ -11,14 +11,17 @@ from pdserve.utils import get_open_port
 from tests.utils.server import MetricsReader, RemoteServer
 
 
-def kv_transfer_config(role: str, transport: str = "nixl", **extra: Any) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "NixlConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {"transport": transport, **extra},
-        }
-    )
+def kv_transfer_config(
+    role: str, transport: str = "nixl", kv_buffer_device: str | None = None, **extra: Any
+) -> str:
+    config = {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"transport": transport, **extra},
+    }
+    if kv_buffer_device is not None:
+        config["kv_buffer_device"] = kv_buffer_device
+    return json.dumps(config)
 
 
 def start_instance(
@@ -30,10 +33,12 @@ def start_instance(
     extra_args: list[str] | None = None,
     host: str = "127.0.0.1",
     prefix: list[str] | None = None,
+    kv_buffer_device: str | None = None,
     **extra: Any,
 ) -> RemoteServer:
     """One instance with its own side-channel port; `runner` "0"/"1" forces runner V1/V2;
-    `host` is its HTTP and side-channel address, `prefix` wraps its command (a netns)."""
+    `host` is its HTTP and side-channel address, `prefix` wraps its command (a netns);
+    `extra` goes to kv_connector_extra_config."""
     env = {"PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port()), "PDSERVE_SIDE_CHANNEL_HOST": host}
     if runner is not None:
         env["PDSERVE_USE_V2_MODEL_RUNNER"] = runner
@@ -44,7 +49,7 @@ def start_instance(
         "--dtype",
         "float32",
         "--kv-transfer-config",
-        kv_transfer_config(role, transport, **extra),
+        kv_transfer_config(role, transport, kv_buffer_device, **extra),
         "--tensor-parallel-size",
         str(tp),
         *(extra_args or []),
