@@ -5,6 +5,7 @@ The CUDA registrations run where a GPU is; the CPU suite runs everything around 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -62,7 +63,7 @@ def test_ucx_tls_that_reach_cuda_memory(tls: str, reaches: bool) -> None:
 
 
 @pytest.fixture(params=BACKENDS)
-def transport(request: pytest.FixtureRequest) -> Transport:
+def transport(request: pytest.FixtureRequest) -> Iterator[Transport]:
     t = make_transport(request.param, f"kinds-{request.param}", timeout_s=3.0)
     yield t
     t.shutdown()
