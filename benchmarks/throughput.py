@@ -87,15 +87,20 @@ def run_pdserve(
 
 @torch.inference_mode()
 def run_hf(model, pad_id: int, prompts: list[list[int]], output_len: int, batch_size: int) -> float:
+    """HF generate on the model's device (the GPU where pdserve runs on one)."""
+    device = next(model.parameters()).device
     model.generate(
-        torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=pad_id
+        torch.tensor([prompts[0]], device=device),
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=pad_id,
     )
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
@@ -134,6 +139,8 @@ def main() -> None:
         from tests.utils.tiny_models import load_hf_model
 
         hf_model = load_hf_model(Path(model), getattr(torch, args.dtype))
+        if torch.cuda.is_available():
+            hf_model = hf_model.cuda()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         hf_time = run_hf(hf_model, pad_id, prompts, args.output_len, args.hf_batch_size)
 
