@@ -12,6 +12,11 @@
 
 namespace {
 
+// Below this many elements one thread finishes before a second would have started: a decode
+// step's norms and rotations stay on the calling thread, off the OpenMP barrier that waits for
+// a sibling thread the scheduler may have preempted.
+constexpr int64_t kParallelMinElements = 1 << 16;
+
 using pdserve::BF16;
 using pdserve::F32;
 using pdserve::rounded;
@@ -20,7 +25,7 @@ template <typename K>
 void rms_norm(const typename K::T* x, const typename K::T* residual, const typename K::T* weight,
               typename K::T* out, typename K::T* residual_out, int64_t rows, int64_t hidden,
               int64_t stride_x, int64_t stride_residual, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads)
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     const typename K::T* xr = x + r * stride_x;
     typename K::T* o = out + r * hidden;
@@ -49,7 +54,8 @@ void rotate(const int64_t* positions, const typename K::T* src, typename K::T* d
             const typename K::T* cos_sin, int64_t tokens, int64_t heads, int64_t head_dim,
             int64_t stride_token, int64_t stride_head, int num_threads) {
   const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads)
+  const bool parallel = tokens * heads * head_dim >= kParallelMinElements;
+#pragma omp parallel for num_threads(num_threads) if (parallel)
   for (int64_t t = 0; t < tokens; ++t) {
     const typename K::T* cos = cos_sin + positions[t] * 2 * head_dim;
     const typename K::T* sin = cos + head_dim;
@@ -70,7 +76,7 @@ void rotate(const int64_t* positions, const typename K::T* src, typename K::T* d
 template <typename K>
 void silu_and_mul(const typename K::T* x, typename K::T* out, int64_t rows, int64_t d,
                   int64_t stride_x, int num_threads) {
-#pragma omp parallel for num_threads(num_threads)
+#pragma omp parallel for num_threads(num_threads) if (rows * d >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     const typename K::T* gate = x + r * stride_x;
     const typename K::T* up = gate + d;

@@ -43,13 +43,14 @@ def test_rms_norm_of_strided_heads() -> None:
     assert out is not None and torch.equal(out[0], rms_norm_torch(q, weight, 1e-6))
 
 
+@pytest.mark.parametrize("num_tokens", [9, 200])  # a decode batch on one thread, a prefill on all
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_rotary_matches_reference(head_dim: int) -> None:
-    qkv = _randn(9, 12 * head_dim)
+def test_rotary_matches_reference(head_dim: int, num_tokens: int) -> None:
+    qkv = _randn(num_tokens, 12 * head_dim)
     query = qkv[:, : 8 * head_dim].unflatten(-1, (8, head_dim))
     key = qkv[:, 8 * head_dim : 10 * head_dim].unflatten(-1, (2, head_dim))
     table = _randn(50, 2, head_dim, seed=4)
-    positions = torch.tensor([0, 3, 49, 7, 7, 1, 20, 30, 2])
+    positions = torch.tensor([0, 3, 49, 7, 7, 1, 20, 30, 2] * (num_tokens // 9 + 1))[:num_tokens]
     out = elementwise_cpu.rotary_embedding(positions, query, key, table)
     expected = rotary_embedding_torch(positions, query, key, table)
     assert out is not None
