@@ -1,9 +1,16 @@
-"""What the engine launches on a GPU: the numbers behind the Triton launchers' constexpr choices.
+"""What the engine launches on a GPU: the numbers behind the Triton launchers' constexpr choices,
+and the configurations that kernels/aot.py compiles ahead of time for every GPU target.
 
-A launcher derives each constexpr from the shapes it is given and the numbers here.
+A launcher derives each constexpr from the shapes it is given and the numbers here; a
+configuration below is such a shape.
 """
 
 from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
 
 # Paged attention: a prefill query block holds this many rows (tokens x GQA heads); tl.dot
 # needs every dimension to be at least DOT_MIN, so decode blocks and small heads are padded.
@@ -26,3 +33,153 @@ def attention_block_n(head_size: int) -> int:
 
 def rms_norm_num_warps(block: int) -> int:
     return 8 if block >= 4096 else 4
+
+
+# The configurations: model shapes in each dtype, block size and TP size, and every sampling
+# step the sampler can take for them.
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BLOCK_SIZES = (16, 32)
+# Top logprobs a request may ask for: the OpenAI server's limit (entrypoints/openai/protocol.py).
+MAX_LOGPROBS = 20
+TP_SIZES = (1, 2)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    vocab_size: int
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def per_rank(self, tp: int) -> tuple[int, int] | None:
+        """(query heads, kv heads) of one TP rank, as QKVParallelLinear splits them; None where
+        the heads do not divide over tp ranks."""
+        if self.num_heads % tp or max(self.num_kv_heads, tp) % min(self.num_kv_heads, tp):
+            return None
+        return self.num_heads // tp, max(1, self.num_kv_heads // tp)
+
+
+# Head sizes 64 and 128 with GQA groups 1, 4 and 8 each, the default model (group 3) and a model
+# with q/k norms (group 2).
+MODEL_SHAPES = (
+    ModelShape("SmolLM2-135M", 576, 9, 3, 64, 49152),
+    ModelShape("OPT-125m", 768, 12, 12, 64, 50272),
+    ModelShape("Llama-3.2-1B", 2048, 32, 8, 64, 128256),
+    ModelShape("TinyLlama-1.1B", 2048, 32, 4, 64, 32000),
+    ModelShape("Llama-2-7B", 4096, 32, 32, 128, 32000),
+    ModelShape("Llama-3-8B", 4096, 32, 8, 128, 128256),
+    ModelShape("Llama-3-70B", 8192, 64, 8, 128, 128256),
+    ModelShape("Qwen3-0.6B", 1024, 16, 8, 128, 151936, qk_norm=True),
+)
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """One paged-attention specialization; the driver launches it unsplit and with every
+    split count up to MAX_SPLITS (each power-of-two bound is one combine kernel)."""
+
+    dtype: torch.dtype
+    head_size: int
+    group: int
+    block_size: int
+    prefill: bool  # query blocks of several tokens; else one-token decode blocks
+
+
+@dataclass(frozen=True)
+class KVWriteLaunch:
+    dtype: torch.dtype
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class RotaryLaunch:
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+
+
+@dataclass(frozen=True)
+class NormLaunch:
+    dtype: torch.dtype
+    hidden_size: int
+    residual: bool
+
+
+@dataclass(frozen=True)
+class PrepareInputsLaunch:
+    block_size: int
+
+
+@dataclass(frozen=True)
+class SamplingLaunch:
+    """One sampling step: the flags pick the kernels and their constexprs."""
+
+    dtype: torch.dtype  # of the logits the sampler is given
+    vocab_size: int
+    all_greedy: bool
+    penalties: bool
+    top_k: bool
+    top_p: bool
+    min_p: bool
+
+
+@dataclass(frozen=True)
+class LogprobsLaunch:
+    dtype: torch.dtype
+    vocab_size: int
+    num_logprobs: int
+
+
+Launch = (
+    AttentionLaunch
+    | KVWriteLaunch
+    | RotaryLaunch
+    | NormLaunch
+    | PrepareInputsLaunch
+    | SamplingLaunch
+    | LogprobsLaunch
+)
+
+
+def launches() -> list[Launch]:
+    """Every configuration the engine launches for MODEL_SHAPES in DTYPES, BLOCK_SIZES and
+    TP_SIZES, without duplicates."""
+    out: dict[Launch, None] = {}
+    for dtype, shape in itertools.product(DTYPES, MODEL_SHAPES):
+        for block_size, prefill in itertools.product(BLOCK_SIZES, (False, True)):
+            out[AttentionLaunch(dtype, shape.head_size, shape.group, block_size, prefill)] = None
+        for tp in TP_SIZES:
+            if (heads := shape.per_rank(tp)) is None:
+                continue
+            for block_size in BLOCK_SIZES:
+                out[KVWriteLaunch(dtype, heads[1], shape.head_size, block_size)] = None
+            out[RotaryLaunch(dtype, *heads, shape.head_size)] = None
+        for residual in (False, True):
+            out[NormLaunch(dtype, shape.hidden_size, residual)] = None
+        if shape.qk_norm:
+            out[NormLaunch(dtype, shape.head_size, residual=False)] = None
+        # Greedy steps sample the model's logits as they are; the others, and any step with
+        # penalties, a float32 copy. Logits processors and min_tokens hand over float32 too.
+        for greedy, penalties in itertools.product((True, False), repeat=2):
+            # top-k, top-p and min-p apply to random rows only.
+            truncations = [(False,) * 3] if greedy else itertools.product((False, True), repeat=3)
+            for top_k, top_p, min_p in truncations:
+                sampling = SamplingLaunch(
+                    dtype, shape.vocab_size, greedy, penalties, top_k, top_p, min_p
+                )
+                out[sampling] = None
+        for num_logprobs in range(MAX_LOGPROBS + 1):
+            out[LogprobsLaunch(dtype, shape.vocab_size, num_logprobs)] = None
+    for block_size in BLOCK_SIZES:
+        out[PrepareInputsLaunch(block_size)] = None
+    return list(out)
