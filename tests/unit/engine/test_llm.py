@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
+from tests.utils.procs import pid_alive
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,18 @@ def test_logprobs(llm):
 
 
 def test_shutdown_is_idempotent(tiny_model):
-    llm = LLM(model=tiny_model("llama"), dtype="float32", max_model_len=64)
+    """The first shutdown ends the worker processes; the second finds nothing left to do, and
+    the LLM refuses work from then on."""
+    llm = LLM(
+        model=tiny_model("llama"),
+        dtype="float32",
+        max_model_len=64,
+        distributed_executor_backend="mp",
+    )
+    pids = [w.proc.pid for w in llm.engine_core.executor.workers]
+    assert pids and all(pid_alive(p) for p in pids)
     llm.shutdown()
+    assert llm.engine_core is None and not any(pid_alive(p) for p in pids)
     llm.shutdown()
+    with pytest.raises(AssertionError, match="LLM is shut down"):
+        llm.generate("Hello", use_tqdm=False)
