@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -182,35 +181,37 @@ def test_stop_strings(server: RemoteServer, model: str) -> None:
     assert choice.text == base[: base.index(stop)]
 
 
-def test_64_concurrent_requests(server: RemoteServer, model: str) -> None:
+def test_64_concurrent_requests(
+    server: RemoteServer, model: str, tiny_model: Callable[[str], str]
+) -> None:
+    """Each of 64 requests batched together gets HF's greedy answer to its own prompt: no
+    request sees another's KV, whatever ran beside it."""
+    prompts = [f"request number {i}" for i in range(64)]
+    tok = _tokenizer(tiny_model("llama"))
+    reference = hf_greedy(Path(tiny_model("llama")), [tok.encode(p) for p in prompts], 10)
+    server.wait_pool_full()
+    done = server.metric("request_success_total", finished_reason="length")
+
     async def run() -> list[openai.types.Completion]:
         client = server.async_client()
         return await asyncio.gather(
             *[
                 client.completions.create(
                     model=model,
-                    prompt=f"request number {i}",
+                    prompt=p,
                     max_tokens=10,
                     temperature=0,
                     extra_body={"ignore_eos": True},
                 )
-                for i in range(64)
+                for p in prompts
             ]
         )
 
     results = asyncio.run(run())
+    assert [r.choices[0].model_extra["token_ids"] for r in results] == reference
     assert all(r.usage.completion_tokens == 10 for r in results)
-    # Same prompt, same greedy answer, whatever else ran beside it.
-    alone = server.client().completions.create(
-        model=model,
-        prompt="request number 5",
-        max_tokens=10,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
-    assert results[5].choices[0].text == alone.choices[0].text
     server.wait_pool_full()
-    assert server.metric("request_success_total") > 0
+    assert server.metric("request_success_total", finished_reason="length") == done + 64
 
 
 def test_client_disconnect_mid_stream_aborts(server: RemoteServer, model: str) -> None:
@@ -384,14 +385,16 @@ def test_engine_killed_fails_requests_and_health(tiny_model: Callable[[str], str
             "ignore_eos": True,
             "stream": True,
         }
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
+        timeout = httpx.Timeout(30, read=10)
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, timeout=timeout
+        ) as resp:
             lines = resp.iter_lines()
             next(lines)
             for pid in engine_pids:
                 os.kill(pid, signal.SIGKILL)
-            start = time.monotonic()
+            # The stream's 10 s read timeout bounds how long the server may take to notice.
             rest = [line for line in lines if line.startswith("data:")]
-        assert time.monotonic() - start < 10
         assert any('"error"' in line for line in rest), rest[-3:]
         assert rest[-1] == "data: [DONE]"
         health = httpx.get(f"{server.url}/health")

@@ -11,20 +11,25 @@ import argparse
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
+from pdserve.entrypoints import bench_serve
 from pdserve.entrypoints.bench_serve import (
     CHAT,
     COMPLETIONS,
+    RequestResult,
     add_bench_serve_args,
+    arrival_offsets,
     benchmark,
+    build_payload,
     format_table,
     run_bench_serve,
+    send_request,
 )
 
 MODEL = "fake-model"
@@ -137,22 +142,83 @@ def test_counts_tokens_and_failures(server: tuple[FakeServer, str], endpoint: st
         result["total_output_tokens"] / result["duration"]
     )
     assert_latencies_sane(result)
-    # TTFT waits for text: the role-only chat chunk and the keep-alive comment come before it.
-    assert result["p50_ttft_ms"] >= CHUNK_DELAY_S * 1000 * 0.8
     for body in fake.bodies:
         assert body["stream"] and body["stream_options"] == {"include_usage": True}
         assert body["temperature"] == 0 and body["ignore_eos"] is True and body["model"] == MODEL
 
 
-def test_poisson_arrivals_and_concurrency_limit(server: tuple[FakeServer, str]) -> None:
-    fake, url = server
-    num_prompts, rate = 20, 50.0
-    result = asyncio.run(benchmark(url, COMPLETIONS, MODEL, ["x"] * num_prompts, rate, 4, seed=1))
-    assert result["completed"] == num_prompts
-    # 20 arrivals at 50/s span about 0.4 s; all at once they take a few chunk delays.
-    assert result["duration"] >= 0.4 * num_prompts / rate
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_ttft_waits_for_text(server: tuple[FakeServer, str], endpoint: str) -> None:
+    """The role-only chat chunk and the keep-alive comment come before the first text: the
+    first text chunk ends the TTFT, each later one adds an inter-token gap."""
+    _, url = server
+    max_tokens = 8
 
-    fake.peak_in_flight = 0
+    async def one() -> RequestResult:
+        async with aiohttp.ClientSession() as session:
+            payload = build_payload(endpoint, MODEL, "hello there", max_tokens, True)
+            return await send_request(session, url + endpoint, payload, {})
+
+    result = asyncio.run(one())
+    assert result.ok and result.output_tokens == max_tokens
+    assert 0 < result.ttft <= result.latency
+    assert len(result.itl) == max_tokens // TOKENS_PER_CHUNK - 1
+
+
+class _Clock:
+    """A perf_counter that advances one microsecond per reading: durations are positive and
+    the benchmark's arithmetic is exact to within the readings it takes."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+class _Sleeps:
+    """asyncio, with a sleep that records how long it was asked to wait and only yields."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(asyncio, name)
+
+    async def sleep(self, delay: float) -> None:
+        self.delays.append(delay)
+        await asyncio.sleep(0)
+
+
+def test_requests_leave_at_poisson_offsets(
+    server: tuple[FakeServer, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each request waits for its own arrival offset (measured by the benchmark's clock), so
+    the send schedule is the Poisson process of `arrival_offsets`."""
+    _, url = server
+    num_prompts, rate, seed = 20, 50.0, 1
+    sleeps = _Sleeps()
+    monkeypatch.setattr(bench_serve, "asyncio", sleeps)
+    monkeypatch.setattr(bench_serve, "time", _Clock())
+    result = asyncio.run(benchmark(url, COMPLETIONS, MODEL, ["x"] * num_prompts, rate, 4, seed))
+    assert result["completed"] == num_prompts
+    # Every request asked to wait until start + its offset; the clock moved a few readings.
+    offsets = arrival_offsets(num_prompts, rate, seed)
+    assert sorted(sleeps.delays) == pytest.approx(offsets, abs=1e-3)
+
+
+def test_arrival_offsets_are_a_poisson_process() -> None:
+    offsets = arrival_offsets(4000, 50.0, seed=3)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert offsets[0] == 0.0 and all(g > 0 for g in gaps)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50.0, rel=0.05)
+    assert offsets == arrival_offsets(4000, 50.0, seed=3)  # the seed fixes the schedule
+    assert arrival_offsets(5, float("inf"), seed=3) == [0.0] * 5
+
+
+def test_concurrency_limit(server: tuple[FakeServer, str]) -> None:
+    fake, url = server
     result = asyncio.run(
         benchmark(
             url,
@@ -191,9 +257,7 @@ def test_run_bench_serve_writes_json_and_table(
             str(out),
         ]
     )
-    start = time.perf_counter()
     result = run_bench_serve(args)
-    assert time.perf_counter() - start < 5
 
     assert result["model"] == MODEL  # asked /v1/models
     assert (result["completed"], result["failed"]) == (40, 0)

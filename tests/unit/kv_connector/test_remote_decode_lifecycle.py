@@ -4,9 +4,10 @@ lease runs out); an aborted one frees at once (reference §4.5)."""
 
 from __future__ import annotations
 
-import time
+import pytest
 
 from pdserve import envs
+from pdserve.kv_connector.nixl import scheduler as nixl_scheduler
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from pdserve.request import FinishReason, RequestStatus
 from pdserve.scheduler.scheduler import Scheduler
@@ -26,7 +27,22 @@ def _producer(model: str) -> Scheduler:
     return create_scheduler(model, kv_role="kv_producer")
 
 
-def test_basic_lifecycle(model: str) -> None:
+class _Clock:
+    """The connector's clock, fixed: a lease's expiry is exactly now + kv_lease_duration."""
+
+    NOW = 1_000_000.0
+
+    @staticmethod
+    def time() -> float:
+        return _Clock.NOW
+
+    @staticmethod
+    def monotonic() -> float:
+        return _Clock.NOW
+
+
+def test_basic_lifecycle(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nixl_scheduler, "time", _Clock)
     scheduler = _producer(model)
     request = create_request(1, int(2.5 * BLOCK_SIZE), do_remote_decode=True)
     req_id = request.request_id
@@ -53,7 +69,6 @@ def test_basic_lifecycle(model: str) -> None:
     assert req_id in scheduler.requests and len(blocks) == 3
     assert all(b.ref_cnt == 1 for b in blocks)
 
-    start = time.time()
     out = scheduler.schedule()
     assert out.finished_req_ids == {req_id} and out.total_num_scheduled_tokens == 0
     assert not scheduler.finished_req_ids
@@ -61,7 +76,7 @@ def test_basic_lifecycle(model: str) -> None:
     reqs_to_send = connector_meta(out).reqs_to_send
     assert list(reqs_to_send) == [req_id]
     lease = scheduler.connector.kv_transfer_config.kv_lease_duration
-    assert start - 1 <= reqs_to_send[req_id] - lease <= time.time()
+    assert reqs_to_send[req_id] == _Clock.NOW + lease
     scheduler.update_from_output(out, EMPTY_MODEL_RUNNER_OUTPUT)
     assert scheduler.connector.has_pending_transfers()
 
