@@ -1,0 +1,93 @@
+"""KVOutputAggregator: across TP workers, a transfer is finished only once every rank reported
+it, so the scheduler never frees or promotes a request while one rank still reads or sends
+(docs/abort.md); everything else the ranks report is merged."""
+
+from __future__ import annotations
+
+from pdserve.kv_connector.aggregator import KVOutputAggregator
+from pdserve.outputs import KVConnectorOutput, ModelRunnerOutput
+
+
+def rank_output(
+    sending: set[str] | None = None,
+    recving: set[str] | None = None,
+    invalid: set[int] | None = None,
+    stats: dict[str, float] | None = None,
+    req_ids: list[str] | None = None,
+) -> ModelRunnerOutput:
+    """One rank's step: its transfer news, and one sampled token per request id."""
+    req_ids = req_ids or []
+    kv = KVConnectorOutput(sending, recving, invalid or set(), stats)
+    return ModelRunnerOutput(req_ids, [[7] for _ in req_ids], kv_connector_output=kv)
+
+
+def news(output: ModelRunnerOutput) -> tuple[set[str] | None, set[str] | None]:
+    kv = output.kv_connector_output
+    assert kv is not None
+    return kv.finished_sending, kv.finished_recving
+
+
+def test_a_transfer_ends_once_every_rank_reported_it() -> None:
+    agg = KVOutputAggregator(world_size=2)
+    step1 = agg.aggregate([rank_output({"p"}, {"d"}), rank_output()], output_rank=0)
+    assert news(step1) == (None, None)  # rank 1 may still be reading into d's blocks
+    step2 = agg.aggregate([rank_output(), rank_output({"p"}, {"d"})], output_rank=0)
+    assert news(step2) == ({"p"}, {"d"})
+    # Counted once: a later report starts a new count.
+    step3 = agg.aggregate([rank_output(recving={"d"}), rank_output()], output_rank=0)
+    assert news(step3) == (None, None)
+
+
+def test_every_rank_in_the_same_step() -> None:
+    agg = KVOutputAggregator(world_size=4)
+    out = agg.aggregate([rank_output({"p"}, {"a", "b"}) for _ in range(4)], output_rank=3)
+    assert news(out) == ({"p"}, {"a", "b"})
+
+
+def test_sending_and_receiving_are_counted_apart() -> None:
+    """One rank's send completion and the other's receive completion of the same id finish
+    neither: each kind needs every rank."""
+    agg = KVOutputAggregator(world_size=2)
+    out = agg.aggregate([rank_output(sending={"x"}), rank_output(recving={"x"})], output_rank=0)
+    assert news(out) == (None, None)
+    out = agg.aggregate([rank_output(recving={"x"}), rank_output(sending={"x"})], output_rank=0)
+    assert news(out) == ({"x"}, {"x"})
+
+
+def test_invalid_blocks_are_joined_and_counters_summed() -> None:
+    agg = KVOutputAggregator(world_size=2)
+    out = agg.aggregate(
+        [
+            rank_output(invalid={3, 4}, stats={"transfers": 1.0, "transfer_bytes": 512.0}),
+            rank_output(invalid={4, 9}, stats={"transfers": 1.0, "failed_transfers": 1.0}),
+        ],
+        output_rank=0,
+    )
+    kv = out.kv_connector_output
+    assert kv is not None
+    assert kv.invalid_block_ids == {3, 4, 9}
+    assert kv.stats == {"transfers": 2.0, "transfer_bytes": 512.0, "failed_transfers": 1.0}
+
+
+def test_the_output_ranks_tokens_with_the_merged_news() -> None:
+    """The sampled tokens are the output rank's (the last pipeline stage); a rank without a
+    connector output reports nothing."""
+    agg = KVOutputAggregator(world_size=2)
+    first = rank_output(recving={"d"})
+    first.kv_connector_output = None
+    last = rank_output(recving={"d"}, req_ids=["r1", "r2"])
+    out = agg.aggregate([first, last], output_rank=1)
+    assert out is last and out.req_ids == ["r1", "r2"] and out.sampled_token_ids == [[7], [7]]
+    assert news(out) == (None, None)
+    kv = out.kv_connector_output
+    assert kv is not None and kv.is_empty()
+    out = agg.aggregate([rank_output(recving={"d"}), rank_output()], output_rank=1)
+    assert news(out) == (None, {"d"})
+
+
+def test_one_rank_passes_through() -> None:
+    agg = KVOutputAggregator(world_size=1)
+    out = agg.aggregate([rank_output({"p"}, {"d"}, {5}, {"transfers": 1.0})], output_rank=0)
+    assert news(out) == ({"p"}, {"d"})
+    kv = out.kv_connector_output
+    assert kv is not None and kv.invalid_block_ids == {5} and kv.stats == {"transfers": 1.0}
