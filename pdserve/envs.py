@@ -80,6 +80,13 @@ def side_channel_port() -> int:
     return port
 
 
+def kv_fault_plan() -> Path | None:
+    """PDSERVE_KV_FAULT_PLAN: tests only. A JSON fault plan; when set, every KV transport of the
+    process is wrapped in the fault-injecting transport (kv_connector/transport/fault.py)."""
+    value = os.environ.get("PDSERVE_KV_FAULT_PLAN") or None
+    return Path(value) if value else None
+
+
 def cpu_threads() -> int | None:
     """PDSERVE_CPU_THREADS: torch threads of each CPU worker (default: cores / workers of this
     instance). `pdserve launch` sets it so that instances sharing a host do not oversubscribe."""

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from pdserve import envs
+
 
 class XferState(enum.Enum):
     PENDING = "pending"
@@ -211,7 +213,8 @@ def make_transport(
 
     `ucx_tls` overrides the ucx backend's UCX transports (e.g. "self,posix,tcp" between hosts);
     `device_memory`: CUDA regions will be registered (the ucx backend adds UCX's CUDA
-    transports to its defaults).
+    transports to its defaults). Where PDSERVE_KV_FAULT_PLAN is set (tests), the transport comes
+    wrapped in the fault-injecting one.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(BACKENDS)}.")
@@ -233,5 +236,14 @@ def make_transport(
         raise RuntimeError(f"transport {name!r} cannot import its library ({e}); {install}") from e
     if name == "ucx":
         tls = ucx_tls or (CUDA_TLS if device_memory else None)
-        return UcxTransport(agent_name, host, timeout_s, ucx_config={"TLS": tls} if tls else None)
-    return cls(agent_name, host, timeout_s)
+        transport = UcxTransport(
+            agent_name, host, timeout_s, ucx_config={"TLS": tls} if tls else None
+        )
+    else:
+        transport = cls(agent_name, host, timeout_s)
+    plan = envs.kv_fault_plan()
+    if plan is None:
+        return transport
+    from pdserve.kv_connector.transport.fault import FaultTransport
+
+    return FaultTransport(transport, plan)
