@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import random
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
@@ -201,10 +200,9 @@ def test_owner_killed_before_read_gives_error(backend: str) -> None:
     try:
         p.owner.kill()
         local, remote = block_descs(0, range(8), 0, range(8), BLOCK_LEN)
-        start = time.monotonic()
         handle = p.reader.read(p.remote, local, remote, b"never")
+        # Within the transport's timeout (the bound is the wait's, not an assertion on speed).
         assert wait_done(p.reader, handle, TIMEOUT_S + 5) is XferState.ERROR
-        assert time.monotonic() - start < TIMEOUT_S + 5
         p.reader.release(handle)
     finally:
         p.close()
@@ -212,23 +210,21 @@ def test_owner_killed_before_read_gives_error(backend: str) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_owner_killed_during_reads_gives_error(backend: str) -> None:
+def test_owner_killed_during_a_read_gives_error(backend: str) -> None:
+    """A frozen owner cannot complete a READ (ucx answers it, NIXL's UCX needs its progress):
+    posted while it is frozen, the READ is in flight for sure when the owner is killed."""
     p = Pair(backend, f"kd-{backend}")
     try:
-        # Scattered: many descriptors keep a read in flight for longer.
-        local = [Desc(0, i * BLOCK_LEN, BLOCK_LEN) for i in range(NUM_BLOCKS)]
-        remote = [Desc(0, i * BLOCK_LEN, BLOCK_LEN) for i in reversed(range(NUM_BLOCKS))]
-        killer = threading.Timer(0.3, p.owner.kill)
-        killer.start()
-        states = []
-        start = time.monotonic()
-        while not states or states[-1] is XferState.DONE:
-            handle = p.reader.read(p.remote, local, remote, b"x")
-            states.append(wait_done(p.reader, handle, TIMEOUT_S + 5))
-            p.reader.release(handle)
-            assert time.monotonic() - start < 0.3 + TIMEOUT_S + 10
-        killer.join()
-        assert states[-1] is XferState.ERROR and len(states) > 1
+        local, remote = block_descs(0, range(NUM_BLOCKS), 0, range(NUM_BLOCKS), BLOCK_LEN)
+        p.owner.freeze()
+        handle = p.reader.read(p.remote, local, remote, b"x")
+        assert p.reader.check_state(handle) is XferState.PENDING
+        p.owner.kill()
+        assert wait_done(p.reader, handle, TIMEOUT_S + 5) is XferState.ERROR
+        p.reader.release(handle)
+        # The dead owner fails every later read at once.
+        later = p.reader.read(p.remote, local, remote, b"y")
+        assert wait_done(p.reader, later, TIMEOUT_S + 5) is XferState.ERROR
     finally:
         p.close()
 
@@ -250,8 +246,7 @@ def test_reader_killed_while_reading_owner_keeps_serving(backend: str) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         child.kill()
-        # Past the owner's timeout for whatever the dead reader left half-sent.
-        time.sleep(TIMEOUT_S + 0.5)
+        # At once: whatever the dead reader left half-sent must not hold up another reader.
         dst = torch.zeros_like(src)
         late.register_region(dst)
         name = late.add_remote_agent(owner.get_agent_metadata())

@@ -100,6 +100,10 @@ class PeerProcess:
         self.conn.send(cmd)
         return self._recv(timeout)
 
+    def freeze(self) -> None:
+        """SIGSTOP: alive, but its transport makes no progress until it is killed."""
+        os.kill(self.pid, signal.SIGSTOP)
+
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
         self.proc.join(10)
