@@ -47,8 +47,8 @@ from pdserve.runners.sampler import SamplingMetadata
 from pdserve.sampling_params import SamplingParams
 
 ARCHS = (80, 90)
-# Every configuration runs with each (batch size, max_model_len), since the JIT specializes
-# integer arguments on their value (== 1, multiple of 16).
+# Every configuration runs with each (batch size, max_model_len): the JIT specializes integer
+# arguments on their value (== 1, multiple of 16), and must come out with one binary for all.
 VARIANTS = ((1, 4096), (16, 1000))
 
 
@@ -241,7 +241,8 @@ def kernels() -> list[str]:
 
 
 def problems(binaries: list[Compiled], archs: tuple[int, ...]) -> list[str]:
-    """Compiler errors, and kernels that no configuration starts."""
+    """Compiler errors, kernels that no configuration starts, and kernels whose binary depends
+    on more than their configuration (the batch, max_model_len)."""
     out = [
         f"{b.kernel} for sm_{b.arch}, {b.launch}, constexprs {b.constexprs}:\n{b.error}"
         for b in binaries
@@ -250,6 +251,15 @@ def problems(binaries: list[Compiled], archs: tuple[int, ...]) -> list[str]:
     for kernel, arch in itertools.product(kernels(), archs):
         if not any(b.kernel == kernel and b.arch == arch for b in binaries):
             out.append(f"{kernel} for sm_{arch}: no configuration in launch_configs.py starts it")
+    variants: dict[tuple[str, int, str, str], set[str]] = {}
+    for b in binaries:
+        variants.setdefault((b.kernel, b.arch, b.launch, b.constexprs), set()).add(b.specialization)
+    for (kernel, arch, launch, constexprs), keys in variants.items():
+        if len(keys) > 1:
+            out.append(
+                f"{kernel} for sm_{arch}, {launch}, constexprs {constexprs}: {len(keys)} binaries"
+                f" for the (batch, max_model_len) variants {VARIANTS}:\n" + "\n".join(sorted(keys))
+            )
     return out
 
 

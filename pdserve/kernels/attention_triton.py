@@ -52,7 +52,9 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# The request count, the split count and the block table's row length (max_model_len's) are not
+# specialized: one binary serves every batch.
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits"])
 def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -271,7 +273,8 @@ def paged_attention_triton(
         part_max = query.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
     else:
-        part_out = part_max = part_sum = out  # unused by the kernel
+        # Unused by the kernel, but float32 as the partials are: one binary for any split count.
+        part_out = part_max = part_sum = query.new_empty(1, dtype=torch.float32)
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out,
         part_out,

@@ -19,7 +19,15 @@ if backend.HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # The state table's widths follow max_model_len: not specialized, one binary for any.
+    @triton.jit(
+        do_not_specialize=[
+            "stride_tokens",
+            "stride_block_table",
+            "stride_out_block_table",
+            "num_blocks_per_req",
+        ]
+    )
     def _prepare_inputs_kernel(
         idx_mapping_ptr,
         query_start_loc_ptr,

@@ -2,7 +2,10 @@
 and the configurations that kernels/aot.py compiles ahead of time for every GPU target.
 
 A launcher derives each constexpr from the shapes it is given and the numbers here; a
-configuration below is such a shape.
+configuration below is such a shape. Integer arguments that vary with the batch (request, row
+and split counts) or with max_model_len (the state and block tables' widths) are marked
+`do_not_specialize` on their kernels, so that one binary serves every batch of a configuration
+(kernels/aot.py checks it) and this list stays finite.
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ def _unkey(key):
     return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+# Row counts are not specialized (== 1, multiple of 16): one binary serves every batch.
+@triton.jit(do_not_specialize=["num_rows"])
 def _penalties_temperature_kernel(
     out_ptr,
     logits_ptr,
@@ -135,7 +136,7 @@ def _mass_at_least(
     return mass
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _truncate_kernel(
     logits_ptr,
     top_k_ptr,
@@ -201,7 +202,7 @@ def _truncate_kernel(
             tl.store(ptrs, tl.where(x < cutoff[:, None], float("-inf"), x), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gumbel_sample_kernel(
     out_ptr,
     logits_ptr,
@@ -249,7 +250,7 @@ def _gumbel_sample_kernel(
     tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_ids"])
 def _logprobs_kernel(
     values_ptr,
     ranks_ptr,
