@@ -32,7 +32,13 @@ class TransferDecisions(NamedTuple):
 
 class RemoteKVRequests:
     """The parked queue (`skipped_waiting`: loads in flight, and requests the connector cannot
-    decide yet) and the ids whose loads finished (`finished_recving_kv_req_ids`)."""
+    decide yet), the ids whose loads finished (`finished_recving_kv_req_ids`), and finished
+    requests whose blocks a read still holds (`receiving`).
+
+    A finished request holds its blocks for one transfer: a read into them (decode side, in
+    `receiving`), or a reader of them (prefill side, the connector's delay). Only that
+    transfer's end frees them: a report of the other kind is ignored, whatever the order.
+    """
 
     def __init__(
         self, policy: SchedulingPolicy, kv_cache_manager: KVCacheManager, connector: Any | None
@@ -42,6 +48,7 @@ class RemoteKVRequests:
         self.connector = connector
         self.skipped_waiting = create_request_queue(policy)
         self.finished_recving_kv_req_ids: set[str] = set()
+        self.receiving: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.skipped_waiting)
@@ -135,6 +142,8 @@ class RemoteKVRequests:
         still write into them until the transfer is reported done."""
         recv_done = request.request_id in self.finished_recving_kv_req_ids
         self.finished_recving_kv_req_ids.discard(request.request_id)
+        if not recv_done:
+            self.receiving.add(request.request_id)
         return not recv_done
 
     def update_from_kv_xfer_finished(
@@ -157,14 +166,20 @@ class RemoteKVRequests:
                 logger.debug("Finished KV receive for unknown request %s; ignored.", req_id)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.finished_recving_kv_req_ids.add(req_id)
-            elif request.is_finished():
+            elif req_id in self.receiving:
                 # Aborted (or failed) while receiving: its blocks were held until now.
+                self.receiving.remove(req_id)
                 to_free[req_id] = request
             else:
                 logger.warning("Unexpected finished KV receive for request %s; ignored.", req_id)
         for req_id in kv_connector_output.finished_sending or ():
             request = requests.get(req_id)
-            if request is not None and request.is_finished() and req_id not in to_free:
+            if (
+                request is not None
+                and request.is_finished()
+                and req_id not in self.receiving
+                and req_id not in to_free
+            ):
                 to_free[req_id] = request
             else:
                 logger.warning("Unexpected finished KV send for request %s; ignored.", req_id)

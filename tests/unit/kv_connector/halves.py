@@ -16,7 +16,6 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.kv_connector.base import KVConnectorRole
 from pdserve.kv_connector.nixl.connector import NixlConnector
-from pdserve.kv_connector.nixl.worker import NixlConnectorWorker
 from pdserve.outputs import KVConnectorOutput, ModelRunnerOutput
 from pdserve.request import Request
 from pdserve.scheduler.output import SchedulerOutput
@@ -71,8 +70,9 @@ def poll(done: Callable[[], bool]) -> None:
 
 
 class Instance:
-    """A prefill (kv_producer) or decode (kv_consumer) instance: Scheduler, connector halves
-    and a KV cache of `num_blocks` blocks. A producer serves handshakes on a free port."""
+    """A prefill (kv_producer) or decode (kv_consumer) instance: a Scheduler beside the
+    connector's scheduler role, its worker role over a KV cache of `num_blocks` blocks. A
+    producer serves handshakes on a free port."""
 
     def __init__(
         self,
@@ -95,7 +95,7 @@ class Instance:
             use_v2,
             kv_connector=self.connector,
         )
-        self.worker = NixlConnectorWorker(config, 0)
+        self.worker = NixlConnector(config, KVConnectorRole.WORKER, 0)
         self.cache = cache(num_blocks, filled=role == "kv_producer")
         self.worker.register_kv_caches(self.cache)
         if role == "kv_producer":
@@ -111,14 +111,17 @@ class Instance:
         known tokens (EOS for the ids in `eos`), and the connector's news."""
         worker = self.worker
         if out.kv_connector_metadata is not None:
-            self.connector.bind_connector_metadata(out.kv_connector_metadata)
+            worker.bind_connector_metadata(out.kv_connector_metadata)
         worker.start_load_kv()
         if forward is not None:
             forward(out)
         worker.wait_for_save()
-        sending, recving = worker.get_finished()
+        sending, recving = worker.get_finished(out.finished_req_ids)
         kv = KVConnectorOutput(
-            sending, recving, worker.take_invalid_block_ids(), worker.take_stats() or None
+            sending,
+            recving,
+            worker.get_block_ids_with_load_errors(),
+            worker.get_worker_stats() or None,
         )
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
