@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from pdserve import envs
 from pdserve.utils import get_open_port
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
                 env = {
                     "PDSERVE_SIDE_CHANNEL_HOST": args.host,
                     "PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port()),
-                    "PDSERVE_CPU_THREADS": os.environ.get("PDSERVE_CPU_THREADS", threads),
+                    "PDSERVE_CPU_THREADS": str(envs.cpu_threads() or threads),
                 }
                 instances[role].append(launcher.spawn(f"{role}-{i}", serve, get_open_port(), env))
         launcher.wait_healthy(instances["prefill"] + instances["decode"], args.startup_timeout)

@@ -6,12 +6,12 @@ Imported only by ray_executor.py, after it has checked that Ray is installed.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import msgspec
 import ray
 
+from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.executor.rpc import decode_args, decode_call, encode_reply
 from pdserve.executor.worker import Worker
@@ -34,7 +34,7 @@ class RayWorker:
         return ray.get_runtime_context().get_node_id(), ip, get_open_port(ip)
 
     def setup(self, config: EngineConfig, rank: int, distributed_init_method: str) -> None:
-        logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"))
+        logging.basicConfig(level=envs.log_level())
         self.rank = rank
         # On a GPU, Ray makes only this actor's device visible, so it is always cuda:0.
         self.worker = Worker(
