@@ -133,6 +133,9 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 60
             await pool.close()
 
     app = FastAPI(lifespan=lifespan)
+    # X-Request-Ids of the requests being served: one names both hops of its request, so a
+    # second request in flight under the same id is refused before it reaches an instance.
+    in_flight: set[str] = set()
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
@@ -146,6 +149,26 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 60
         if not isinstance(body, dict):
             raise OpenAIError(400, "The request body must be a JSON object.")
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        if request_id in in_flight:
+            raise OpenAIError(
+                400,
+                f"X-Request-Id {request_id!r} is already in use by a request in flight; each "
+                "request needs its own.",
+            )
+        in_flight.add(request_id)
+        relaying = False
+        try:
+            response = await split(request, request_id, body, endpoint)
+            relaying = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not relaying:  # a stream's relay lets the id go when it ends
+                in_flight.discard(request_id)
+
+    async def split(
+        request: Request, request_id: str, body: dict[str, Any], endpoint: str
+    ) -> Response:
+        """Both hops of one request; a stream's id stays in flight until its relay ends."""
         headers = {"X-Request-Id": request_id}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
@@ -203,6 +226,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 60
             except httpx.HTTPError as e:
                 yield f"data: {json.dumps(_upstream_error(decode_instance, e).body())}\n\n".encode()
             finally:
+                in_flight.discard(request_id)
                 await answer.aclose()
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers=out_headers)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
+import json
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -13,7 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.utils.pd import wait_all_pools_full
+from tests.utils.pd import instances, prefill, wait_all_pools_full
 from tests.utils.procs import wait_until_gone
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
@@ -123,11 +126,22 @@ def test_proxy_health_models_and_request_id(deployment: RemoteServer) -> None:
 
 
 def test_client_disconnect_through_proxy_frees_both_sides(deployment: RemoteServer) -> None:
+    """The client reads a few chunks of a stream it asked nearly a whole context of, then goes
+    away: the decode instance aborts the request (its abort counter moves), long before the
+    tokens asked for are out, and both sides free every block."""
     model = deployment.client().models.list().data[0].id
+    decode = instances(deployment)["decode"][0]
+    wait_all_pools_full(deployment)
+    before = {
+        reason: decode.metric("request_success_total", finished_reason=reason)
+        for reason in ("abort", "length")
+    }
+    generated = decode.metric("generation_tokens_total")
+    max_tokens = 1000
     body = {
         "model": model,
         "prompt": "a long answer",
-        "max_tokens": 900,
+        "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
     }
@@ -135,6 +149,143 @@ def test_client_disconnect_through_proxy_frees_both_sides(deployment: RemoteServ
         lines = resp.iter_lines()
         assert any(line.startswith("data:") for line, _ in zip(lines, range(4)))
     wait_all_pools_full(deployment, timeout=30)
+    assert decode.metric("request_success_total", finished_reason="abort") == before["abort"] + 1
+    assert decode.metric("request_success_total", finished_reason="length") == before["length"]
+    assert decode.metric("generation_tokens_total") - generated < max_tokens
+
+
+# Long enough that the first request is still generating when its duplicate comes.
+DUP_TOKENS = 300
+
+
+def _stream_tokens(lines: Iterator[str]) -> list[int]:
+    """The token ids of a completion's SSE lines, to [DONE]."""
+    tokens = []
+    for line in lines:
+        if line == "data: [DONE]":
+            break
+        if line.startswith("data:"):
+            chunk = json.loads(line.removeprefix("data:"))
+            assert "error" not in chunk, chunk
+            tokens += chunk["choices"][0]["token_ids"] if chunk["choices"] else []
+    return tokens
+
+
+@functools.cache
+def _greedy(model: str, prompt: str) -> list[int]:
+    """HF's DUP_TOKENS greedy tokens after `prompt`, computed once per module."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return hf_greedy(Path(model), [tokenizer.encode(prompt)], DUP_TOKENS)[0]
+
+
+def test_duplicate_request_id_through_proxy_fails_that_request(
+    deployment: RemoteServer, tiny_model: Callable[[str], str]
+) -> None:
+    """pd_lessons 15: a client reuses the X-Request-Id of its request still streaming. The
+    second request gets a 400 saying so, before either hop; the first streams on, token for
+    token HF's, and the deployment serves the id again once it is free."""
+    model = tiny_model("llama")
+    prefill_side = instances(deployment)["prefill"][0]
+    served = prefill_side.metric("request_success_total", finished_reason="length")
+    body = {
+        "model": model,
+        "prompt": "dup",
+        "max_tokens": DUP_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    headers = {"X-Request-Id": "dup-through-proxy"}
+    url = f"{deployment.url}/v1/completions"
+    with httpx.stream(
+        "POST", url, json={**body, "stream": True}, headers=headers, timeout=60
+    ) as resp:
+        lines = resp.iter_lines()
+        first = _stream_tokens(itertools.islice(lines, 2))
+        second = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert second.status_code == 400
+        assert "already in use" in second.json()["error"]["message"]
+        first += _stream_tokens(lines)
+    assert first == _greedy(model, "dup")
+    again = httpx.post(url, json={**body, "max_tokens": 8}, headers=headers, timeout=60)
+    assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == first[:8]
+    wait_all_pools_full(deployment)
+    # The duplicate reached no instance: the prefill side served the first and the last.
+    assert prefill_side.metric("request_success_total", finished_reason="length") == served + 2
+
+
+def test_duplicate_request_id_at_an_instance_fails_that_request(
+    deployment: RemoteServer, tiny_model: Callable[[str], str]
+) -> None:
+    """pd_lessons 15, at the decode instance itself: a second request under the X-Request-Id
+    of one in flight is refused with a 400 (not a server error), the prefill side's blocks
+    it names are released at once rather than at the end of their lease, and the first
+    request goes on."""
+    model = tiny_model("llama")
+    readers = instances(deployment)
+    prefill_side, decode_side = readers["prefill"][0], readers["decode"][0]
+    expired = prefill_side.metric("kv_expired_leases_total")
+    body = {
+        "model": model,
+        "prompt": "dup",
+        "max_tokens": DUP_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    url = f"{decode_side.url}/v1/completions"
+    headers = {"X-Request-Id": "dup-at-decode"}
+    params = prefill(prefill_side, {**body, "prompt": "another prompt"})
+    with httpx.stream(
+        "POST", url, json={**body, "stream": True}, headers=headers, timeout=60
+    ) as resp:
+        lines = resp.iter_lines()
+        first = _stream_tokens(itertools.islice(lines, 2))
+        second = httpx.post(
+            url, json={**body, "kv_transfer_params": params}, headers=headers, timeout=60
+        )
+        assert second.status_code == 400, second.text
+        assert "already in use" in second.json()["error"]["message"]
+        first += _stream_tokens(lines)
+    assert first == _greedy(model, "dup")
+    wait_all_pools_full(deployment)
+    assert prefill_side.metric("kv_expired_leases_total") == expired
+
+
+def test_duplicate_remote_request_id_fails_that_request(
+    deployment: RemoteServer, tiny_model: Callable[[str], str]
+) -> None:
+    """pd_lessons 15: two decode requests name one prefill hand-off (a replayed
+    kv_transfer_params). The second is refused with a 400 naming the field, and does not
+    release the blocks the first reads; the first's answer is HF's."""
+    model = tiny_model("llama")
+    readers = instances(deployment)
+    prefill_side, decode_side = readers["prefill"][0], readers["decode"][0]
+    body = {
+        "model": model,
+        "prompt": "one hand-off",
+        "max_tokens": DUP_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    params = prefill(prefill_side, body)
+    url = f"{decode_side.url}/v1/completions"
+    replay = {**body, "kv_transfer_params": params}
+    with httpx.stream(
+        "POST",
+        url,
+        json={**replay, "stream": True},
+        headers={"X-Request-Id": "reader-1"},
+        timeout=60,
+    ) as resp:
+        lines = resp.iter_lines()
+        first = _stream_tokens(itertools.islice(lines, 2))
+        second = httpx.post(url, json=replay, headers={"X-Request-Id": "reader-2"}, timeout=60)
+        assert second.status_code == 400, second.text
+        error = second.json()["error"]
+        assert error["param"] == "kv_transfer_params.remote_request_id"
+        assert "already being read by request 'reader-1'" in error["message"]
+        first += _stream_tokens(lines)
+    assert first == _greedy(model, "one hand-off")
+    wait_all_pools_full(deployment)
 
 
 def _launch_pids(server: RemoteServer) -> list[int]:

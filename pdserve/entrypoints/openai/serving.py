@@ -56,12 +56,23 @@ async def merge(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _remote_read(kv_transfer_params: dict | None) -> tuple[str, str] | None:
+    """(prefill engine, its request id) of the hand-off a decode request reads, if any."""
+    params = kv_transfer_params or {}
+    if not params.get("do_remote_prefill") or params.get("remote_request_id") is None:
+        return None
+    return str(params.get("remote_engine_id")), str(params["remote_request_id"])
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, max_pending_requests: int | None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = engine.config.model_config.max_model_len
         self.max_pending_requests = max_pending_requests
+        # The prefill hand-offs requests in flight here read, and by whom: a hand-off serves
+        # one request, and a second one naming it (a replay, a reused X-Request-Id) fails.
+        self.remote_reads: dict[tuple[str, str], str] = {}
 
     # ---- shared checks ---------------------------------------------------------------------
 
@@ -134,14 +145,59 @@ class OpenAIServing:
             )
             for i, (prompt, params) in enumerate(prompts)
         ]
-        return _raising_on_error(merge(streams))
+        return self._owning_ids(request_id, kv_transfer_params, _raising_on_error(merge(streams)))
+
+    async def _owning_ids(
+        self,
+        request_id: str,
+        kv_transfer_params: dict | None,
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`stream`, as long as its request id and the hand-off it reads are its own: a
+        duplicate of either is the client's error (400), which ends only that request."""
+        remote = _remote_read(kv_transfer_params)
+        if remote is not None:
+            holder = self.remote_reads.get(remote)
+            if holder is not None:
+                raise OpenAIError(
+                    400,
+                    f"kv_transfer_params.remote_request_id {remote[1]!r} of prefill engine "
+                    f"{remote[0]} is already being read by request {holder!r}; a prefill "
+                    "hand-off serves one request.",
+                    param="kv_transfer_params.remote_request_id",
+                )
+            self.remote_reads[remote] = request_id
+        started = False
+        try:
+            async for item in stream:
+                started = True
+                yield item
+        except ValueError as e:
+            if started:
+                raise
+            # Refused before it reached the engine: its X-Request-Id names a request in flight.
+            raise OpenAIError(400, str(e)) from None
+        finally:
+            if remote is not None:
+                del self.remote_reads[remote]
 
     # ---- completions -----------------------------------------------------------------------
 
     async def release_if_rejected(
         self, req: CompletionRequest | ChatCompletionRequest, request_id: str
     ) -> None:
-        """Called when the request is refused here: a prefill instance may hold its KV."""
+        """Called when the request is refused here: a prefill instance may hold its KV. Not
+        when another request here reads that hand-off: freeing it would pull the blocks from
+        under that read (the lease frees them if they are this request's)."""
+        remote = _remote_read(req.kv_transfer_params)
+        if remote is not None and remote in self.remote_reads:
+            logger.warning(
+                "Rejected request %s names the hand-off %s, which request %s reads: not released.",
+                request_id,
+                remote,
+                self.remote_reads[remote],
+            )
+            return
         if req.kv_transfer_params and self.engine.dead_reason is None:
             try:
                 await self.engine.release_remote_kv(request_id, req.kv_transfer_params)
