@@ -4,7 +4,8 @@
 The suite runs kernels in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET, which
 the kernel modules read when they load), and the interpreter accepts kernels the compiler
 rejects: the compile runs in a fresh process without it. Binaries are cached by Triton under
-PDSERVE_CACHE_DIR/triton, keyed by source: a cold cache takes minutes, a warm one seconds.
+PDSERVE_CACHE_DIR/triton, keyed by source: a cold cache takes about 12 CPU-minutes, a warm one
+under one (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -20,9 +21,17 @@ import pytest
 pytest.importorskip("triton")
 
 _ENV_DROPPED = ("TRITON_INTERPRET", "PDSERVE_KERNEL_BACKEND")
+# Problems shown with the compiler's whole message; the rest by their first line.
+_SHOWN = 5
 
 
-@pytest.mark.timeout(1800)  # a cold cache on two cores; a warm one takes seconds
+def _summary(problems: list[str]) -> str:
+    rest = [p.splitlines()[0] for p in problems[_SHOWN:]]
+    tail = f"\n\n{len(rest)} more:\n" + "\n".join(rest) if rest else ""
+    return f"{len(problems)} problems:\n\n" + "\n\n".join(problems[:_SHOWN]) + tail
+
+
+@pytest.mark.timeout(1800)  # a cold cache took 17 minutes on this loaded 2-core machine
 def test_every_kernel_compiles_for_gpu_targets(tmp_path: Path) -> None:
     report = tmp_path / "aot.json"
     env = {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED}
@@ -30,6 +39,6 @@ def test_every_kernel_compiles_for_gpu_targets(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert report.exists(), f"no report (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"
     result = json.loads(report.read_text())
-    assert not result["problems"], "\n\n".join(result["problems"])
+    assert not result["problems"], _summary(result["problems"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert {b["arch"] for b in result["binaries"]} == {80, 90}
