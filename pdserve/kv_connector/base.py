@@ -38,6 +38,9 @@ class KVConnectorBase(abc.ABC):
 
     # ---- scheduler role ---------------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        """A request arrived (before it waits for admission)."""
+
     @abc.abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

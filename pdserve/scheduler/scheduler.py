@@ -106,6 +106,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         # One comparison in the stop check covers both length limits.
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.remote_kv.add(request)
         else:

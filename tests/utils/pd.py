@@ -12,7 +12,11 @@ from tests.utils.server import MetricsReader, RemoteServer
 
 
 def kv_transfer_config(
-    role: str, transport: str = "nixl", kv_buffer_device: str | None = None, **extra: Any
+    role: str,
+    transport: str = "nixl",
+    kv_buffer_device: str | None = None,
+    engine_id: str | None = None,
+    **extra: Any,
 ) -> str:
     config = {
         "kv_connector": "NixlConnector",
@@ -21,6 +25,8 @@ def kv_transfer_config(
     }
     if kv_buffer_device is not None:
         config["kv_buffer_device"] = kv_buffer_device
+    if engine_id is not None:
+        config["engine_id"] = engine_id
     return json.dumps(config)
 
 
@@ -34,12 +40,20 @@ def start_instance(
     host: str = "127.0.0.1",
     prefix: list[str] | None = None,
     kv_buffer_device: str | None = None,
+    env: dict[str, str] | None = None,
+    engine_id: str | None = None,
+    side_channel_port: int | None = None,
     **extra: Any,
 ) -> RemoteServer:
-    """One instance with its own side-channel port; `runner` "0"/"1" forces runner V1/V2;
-    `host` is its HTTP and side-channel address, `prefix` wraps its command (a netns);
-    `extra` goes to kv_connector_extra_config."""
-    env = {"PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port()), "PDSERVE_SIDE_CHANNEL_HOST": host}
+    """One instance with its own side-channel port (a free one unless given); `runner` "0"/"1"
+    forces runner V1/V2; `host` is its HTTP and side-channel address, `prefix` wraps its
+    command (a netns); `env` adds to its environment (a fault plan); `extra` goes to
+    kv_connector_extra_config."""
+    env = {
+        **(env or {}),
+        "PDSERVE_SIDE_CHANNEL_PORT": str(side_channel_port or get_open_port()),
+        "PDSERVE_SIDE_CHANNEL_HOST": host,
+    }
     if runner is not None:
         env["PDSERVE_USE_V2_MODEL_RUNNER"] = runner
     args = [
@@ -49,7 +63,7 @@ def start_instance(
         "--dtype",
         "float32",
         "--kv-transfer-config",
-        kv_transfer_config(role, transport, kv_buffer_device, **extra),
+        kv_transfer_config(role, transport, kv_buffer_device, engine_id, **extra),
         "--tensor-parallel-size",
         str(tp),
         *(extra_args or []),

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
 # Bumped whenever a message below or the KV layout changes meaning.
-NIXL_CONNECTOR_VERSION = 2
+NIXL_CONNECTOR_VERSION = 3
 KV_LAYOUT = "block-major:[blocks,layers,2,block_size,kv_heads,head_dim]"
 
 
@@ -31,6 +31,26 @@ class RecvReqMeta(msgspec.Struct, array_like=True):
     # Host staging: the blocks of the staging buffer the READ lands in (local_block_ids[i]'s
     # bytes in staging_block_ids[i]), copied into the cache once all arrived.
     staging_block_ids: list[int] = msgspec.field(default_factory=list)
+    # The prefill instance's incarnation (a restart changes it: re-handshake) and the request's
+    # lease on its blocks: (slot, tag) of the prefill side's lease board, read after the data
+    # to prove the blocks were still held for it. Empty / (-1, 0): not checked.
+    remote_epoch: str = ""
+    remote_lease: tuple[int, int] = (-1, 0)
+
+
+class RemoteAddress(msgspec.Struct, array_like=True):
+    """Where a prefill engine's side channel answers, and its TP size."""
+
+    host: str
+    port: int
+    tp_size: int
+
+
+class LeaseStamp(msgspec.Struct, array_like=True):
+    """Prefill side: write `tag` into the lease board's `slot` (0 clears it)."""
+
+    slot: int
+    tag: int
 
 
 class SaveReqMeta(msgspec.Struct, array_like=True):
@@ -49,6 +69,11 @@ class NixlConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True)
     # Decode side: remote engine id -> its request ids still awaited (heartbeats extend leases).
     heartbeats: dict[str, list[str]] = msgspec.field(default_factory=dict)
     reqs_to_save: dict[str, SaveReqMeta] = msgspec.field(default_factory=dict)
+    # Decode side: how to reach the engines of `heartbeats`, for a worker that does not know one
+    # yet (a request queued before its first read from that engine).
+    remote_engines: dict[str, RemoteAddress] = msgspec.field(default_factory=dict)
+    # Prefill side: lease board entries to write before this step's forward pass, by request.
+    lease_stamps: dict[str, LeaseStamp] = msgspec.field(default_factory=dict)
 
 
 class AgentMetadata(msgspec.Struct, array_like=True):
@@ -70,6 +95,12 @@ class AgentMetadata(msgspec.Struct, array_like=True):
     num_layers: int
     dtype: str
     memory: MemoryKind  # of the region peers read
+    # The lease board (int64 per slot, host memory): a finished request's slot holds its tag
+    # while its blocks are held for a reader; -1: none.
+    board_region: int = -1
+    board_slots: int = 0
+    # The instance's incarnation; the side channel fills it in when it serves the metadata.
+    epoch: str = ""
 
 
 class HandshakePayload(msgspec.Struct, array_like=True):

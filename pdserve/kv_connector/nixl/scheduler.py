@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -14,8 +16,10 @@ from pdserve.kv_connector.nixl.handshake import HandshakeServer
 from pdserve.kv_connector.nixl.metadata import (
     AgentMetadata,
     HandshakePayload,
+    LeaseStamp,
     NixlConnectorMetadata,
     RecvReqMeta,
+    RemoteAddress,
 )
 from pdserve.kv_connector.nixl.staging import StagingPool
 from pdserve.outputs import KVConnectorOutput
@@ -42,6 +46,75 @@ def _has_remote_fields(params: dict[str, Any]) -> bool:
     return all(params.get(f) is not None for f in _REMOTE_FIELDS)
 
 
+def _reads_remote(params: dict[str, Any] | None) -> bool:
+    return bool(params and params.get("do_remote_prefill") and _has_remote_fields(params))
+
+
+def _lease_of(params: dict[str, Any]) -> tuple[int, int, float | None]:
+    """(board slot, tag, lease seconds) of a request's lease on the prefill side; (-1, 0, None)
+    when its params name none."""
+    lease = params.get("remote_lease")
+    if isinstance(lease, dict):
+        slot, tag, seconds = lease.get("slot"), lease.get("tag"), lease.get("seconds")
+        if isinstance(slot, int) and isinstance(tag, int):
+            return slot, tag, float(seconds) if isinstance(seconds, (int, float)) else None
+    return -1, 0, None
+
+
+class LeaseBoard:
+    """Prefill side: the slots of the workers' lease board, by request.
+
+    A request that will be read gets a slot and a random tag at admission, before its params can
+    leave this instance; the workers write the tag into the slot, and clear it when the lease
+    ends (read, or expired) before they report the blocks free. A reader checks the slot after
+    its READ: the tag proves the blocks were still this request's while it read. Without the
+    workers' board size (no handshake metadata yet) slots are not bounded."""
+
+    def __init__(self) -> None:
+        self.num_slots: int | None = None
+        self._free: deque[int] = deque()
+        self._next = 0
+        self.held: dict[str, LeaseStamp] = {}
+        self.orders: dict[str, LeaseStamp] = {}  # for the next step's metadata
+
+    def size(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = deque(range(num_slots))
+
+    def has_room(self) -> bool:
+        return self.num_slots is None or bool(self._free)
+
+    def take(self, req_id: str) -> None:
+        if self.num_slots is None:
+            slot, self._next = self._next, self._next + 1
+        else:
+            slot = self._free.popleft()
+        self.held[req_id] = self.orders[req_id] = LeaseStamp(slot, secrets.randbits(62) + 1)
+
+    def clear(self, req_id: str) -> None:
+        """The request will not be read: the workers clear its slot, which is free again (the
+        clear comes before any later stamp of the slot: the workers apply orders in order)."""
+        stamp = self.held.pop(req_id, None)
+        if stamp is not None:
+            self.orders[req_id] = LeaseStamp(stamp.slot, 0)
+            self._release(stamp.slot)
+
+    def ended(self, req_ids: set[str]) -> None:
+        """Leases the workers ended (they cleared the slots themselves)."""
+        for req_id in req_ids:
+            stamp = self.held.pop(req_id, None)
+            if stamp is not None:
+                self._release(stamp.slot)
+
+    def _release(self, slot: int) -> None:
+        if self.num_slots is not None:
+            self._free.append(slot)
+
+    def take_orders(self) -> dict[str, LeaseStamp]:
+        orders, self.orders = self.orders, {}
+        return orders
+
+
 class NixlConnectorScheduler:
     def __init__(self, config: EngineConfig) -> None:
         kv = config.kv_transfer_config
@@ -54,17 +127,25 @@ class NixlConnectorScheduler:
         self.side_channel_host = envs.side_channel_host()
         self.side_channel_port = envs.side_channel_port()
         self.server: HandshakeServer | None = None
+        # This instance's incarnation, in its params and handshake answers: a decode instance
+        # that knew an earlier one at the same address handshakes again.
+        self.epoch = secrets.token_hex(8)
+        self.board = LeaseBoard()
         self._reqs_need_recv: dict[str, RecvReqMeta] = {}
         self._reqs_need_send: dict[str, float] = {}
-        # Decode side: requests waiting for their read, by remote engine (for heartbeats).
-        self._awaited: dict[
-            str, tuple[str, str]
-        ] = {}  # request id -> (engine id, remote request id)
+        # Decode side: request id -> (engine id, remote request id) of every request whose KV a
+        # prefill instance holds for it, from its arrival (queued or not) until its read ends:
+        # heartbeats keep those leases alive.
+        self._awaited: dict[str, tuple[str, str]] = {}
+        self._addresses: dict[str, RemoteAddress] = {}  # engine id -> its side channel
+        # Engine id -> seconds between its heartbeats (a sixth of its lease, which its params
+        # say; this instance's own otherwise), and when it last got one.
+        self._beat_every: dict[str, float] = {}
+        self._last_beat: dict[str, float] = {}
         # Decode side: reads (empty ones too) the workers have not reported done. Unlike
         # heartbeats they outlive an abort: the blocks stay held, and the engine must keep
         # polling the workers, until the read ends.
         self._reading: set[str] = set()
-        self._last_heartbeat = 0.0
         # Prefill side: finished requests whose blocks wait for a reader. A set, not a count: a
         # stray id in finished_sending must not end the polling while others still wait.
         self._sending: set[str] = set()
@@ -80,12 +161,36 @@ class NixlConnectorScheduler:
         self.staging = StagingPool(num_blocks, self.block_size, self.max_model_len)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, bytes]) -> None:
-        if self.host_staging and self.staging is None:
-            # Every rank's staging buffer has as many blocks as its KV cache.
-            payload = msgspec.msgpack.decode(metadata[0], type=HandshakePayload)
+        served = {}
+        for rank, encoded in metadata.items():
+            payload = msgspec.msgpack.decode(encoded, type=HandshakePayload)
             agent = msgspec.msgpack.decode(payload.agent_metadata, type=AgentMetadata)
-            self._make_staging_pool(agent.num_blocks)
-        self.server = HandshakeServer(self.side_channel_host, self.side_channel_port, metadata)
+            agent.epoch = self.epoch
+            payload.agent_metadata = msgspec.msgpack.encode(agent)
+            served[rank] = msgspec.msgpack.encode(payload)
+            if rank == 0:
+                # Every rank's board has as many slots, and its staging buffer as many blocks.
+                self.board.size(agent.board_slots)
+                if self.host_staging and self.staging is None:
+                    self._make_staging_pool(agent.num_blocks)
+        self.server = HandshakeServer(self.side_channel_host, self.side_channel_port, served)
+
+    def on_new_request(self, request: Request) -> None:
+        """Decode side: a request that reads remote KV heart-beats from its arrival, so that a
+        prefill instance keeps its blocks however long it queues here."""
+        params = request.kv_transfer_params
+        if _reads_remote(params):
+            assert params is not None
+            self._await(request.request_id, params)
+
+    def _await(self, req_id: str, params: dict[str, Any]) -> None:
+        engine_id = params["remote_engine_id"]
+        self._awaited[req_id] = (engine_id, params["remote_request_id"])
+        self._addresses[engine_id] = RemoteAddress(
+            params["remote_host"], int(params["remote_port"]), int(params.get("tp_size") or 1)
+        )
+        every = (_lease_of(params)[2] or self.lease_duration) / 6
+        self._beat_every[engine_id] = min(self._beat_every.get(engine_id, every), every)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -105,10 +210,13 @@ class NixlConnectorScheduler:
                 ):
                     return None, False
                 return count, True
-        elif self._stages_save(request):
-            assert self.staging is not None
-            if not self.staging.can_save(request):
+        elif params and params.get("do_remote_decode"):
+            if request.request_id not in self.board.held and not self.board.has_room():
                 return None, False
+            if self._stages_save(request):
+                assert self.staging is not None
+                if not self.staging.can_save(request):
+                    return None, False
         return 0, False
 
     def _stages_read(self, params: dict[str, Any]) -> bool:
@@ -132,6 +240,8 @@ class NixlConnectorScheduler:
         if self._stages_save(request):
             assert self.staging is not None
             self.staging.reserve_save(request)
+        if params and params.get("do_remote_decode") and request.request_id not in self.board.held:
+            self.board.take(request.request_id)
         if not params or not params.get("do_remote_prefill"):
             return
         if not _has_remote_fields(params):
@@ -160,11 +270,10 @@ class NixlConnectorScheduler:
                 int(params["remote_port"]),
                 int(params.get("tp_size") or 1),
                 staging_ids,
+                str(params.get("remote_epoch") or ""),
+                _lease_of(params)[:2],
             )
-            self._awaited[request.request_id] = (
-                params["remote_engine_id"],
-                params["remote_request_id"],
-            )
+            self._await(request.request_id, params)
             self._reading.add(request.request_id)
         # One transfer per request, also after a preemption.
         params["do_remote_prefill"] = False
@@ -173,11 +282,16 @@ class NixlConnectorScheduler:
         meta = NixlConnectorMetadata(self._reqs_need_recv, self._reqs_need_send)
         if self.staging is not None:
             meta.reqs_to_save = self.staging.save_orders(scheduler_output)
+        meta.lease_stamps = self.board.take_orders()
         now = time.monotonic()
-        if self._awaited and now - self._last_heartbeat >= self.lease_duration / 6:
-            self._last_heartbeat = now
-            for engine_id, remote_id in self._awaited.values():
+        for engine_id, remote_id in self._awaited.values():
+            if engine_id in meta.heartbeats or (
+                now - self._last_beat.get(engine_id, -1e18) >= self._beat_every[engine_id]
+            ):
                 meta.heartbeats.setdefault(engine_id, []).append(remote_id)
+        for engine_id in meta.heartbeats:
+            self._last_beat[engine_id] = now
+        meta.remote_engines = {e: self._addresses[e] for e in meta.heartbeats}
         self._reqs_need_recv, self._reqs_need_send = {}, {}
         return meta
 
@@ -200,28 +314,37 @@ class NixlConnectorScheduler:
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._awaited.pop(request.request_id, None)
+        # A decode request's heartbeats go on while its read is in flight (`_awaited` ends with
+        # the read): the read holds the prefill side's blocks until it tells it.
+        req_id = request.request_id
+        if req_id not in self._reading:
+            self._awaited.pop(req_id, None)
         params = request.kv_transfer_params
         staging_ids = None
-        if self.staging is not None and self.staging.holds_save(request.request_id):
+        if self.staging is not None and self.staging.holds_save(req_id):
             staging_ids = self.staging.end_save(request, request.status in _DONE)
             if staging_ids is None:
+                self.board.clear(req_id)
                 return False, None
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
             # Finished (aborted) before it was ever scheduled: no read will come.
-            self.release_remote(request.request_id, params)
+            self.release_remote(req_id, params)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
         if request.status not in _DONE:
+            self.board.clear(req_id)
             return False, None  # aborted: nobody will read
         # A staged copy is what the reader reads: the device blocks are free at once.
         remote_ids = block_ids if staging_ids is None else staging_ids
         if remote_ids:
-            self._reqs_need_send[request.request_id] = time.time() + self.lease_duration
-            self._sending.add(request.request_id)
+            self._reqs_need_send[req_id] = time.time() + self.lease_duration
+            self._sending.add(req_id)
+        else:
+            self.board.clear(req_id)
+        stamp = self.board.held.get(req_id)
         return staging_ids is None and len(block_ids) > 0, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -232,11 +355,16 @@ class NixlConnectorScheduler:
             "remote_port": self.server.port if self.server else self.side_channel_port,
             "tp_size": self.tp_size,
             "remote_num_tokens": request.num_computed_tokens,
+            "remote_epoch": self.epoch,
+            "remote_lease": None
+            if stamp is None
+            else {"slot": stamp.slot, "tag": stamp.tag, "seconds": self.lease_duration},
         }
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         sent = output.finished_sending or set()
         self._sending.difference_update(sent)
+        self.board.ended(sent)
         if self.staging is not None and (staged := self.staging.sent(sent)):
             # Their requests were freed when they finished: the ids are this connector's own.
             output.finished_sending = (sent - staged) or None

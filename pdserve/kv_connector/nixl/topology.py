@@ -26,6 +26,7 @@ class RemoteEngine:
     engine_id: str
     tp_size: int
     agents: list[tuple[str, AgentMetadata]]  # (agent name, metadata) of each rank read
+    epoch: str = ""  # the incarnation that answered the handshake
 
 
 class Topology:

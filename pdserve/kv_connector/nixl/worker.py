@@ -32,12 +32,14 @@ from pdserve.kv_connector.nixl.metadata import (
     NixlConnectorMetadata,
     Notif,
     RecvReqMeta,
+    RemoteAddress,
     SaveReqMeta,
     compatibility_hash,
 )
 from pdserve.kv_connector.nixl.staging import HostBuffer
 from pdserve.kv_connector.nixl.topology import RemoteEngine, Topology
 from pdserve.kv_connector.transport.base import (
+    Desc,
     XferState,
     block_descs,
     make_transport,
@@ -46,10 +48,16 @@ from pdserve.kv_connector.transport.base import (
 
 logger = logging.getLogger(__name__)
 
+# How long a decode worker waits for its lease check (8 bytes) before leaving it to the next
+# poll: the check costs one READ round trip, not one step.
+_CHECK_WAIT_S = 0.002
+
 
 @dataclass
 class _Load:
-    """The reads of one request in flight (one per remote rank it reads from)."""
+    """The reads of one request in flight (one per remote rank it reads from): its blocks, then,
+    where the prefill side keeps a lease board, the board slot of its lease (`checks`, which
+    carry the `done` notification)."""
 
     meta: RecvReqMeta
     local_block_ids: list[int]
@@ -58,6 +66,9 @@ class _Load:
     start: float
     num_bytes: int
     num_descs: int
+    engine: RemoteEngine
+    done: bytes  # the encoded `done` notification
+    checks: list[tuple[int, torch.Tensor]] | None = None  # (handle, where the slot lands)
 
 
 @dataclass
@@ -111,6 +122,17 @@ class NixlConnectorWorker:
         self._early_reads: dict[str, tuple[int, float]] = {}
         self._readers_needed: dict[str, int] = {}
         self._stats: dict[str, float] = {}
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        # Prefill side: the lease board peers read (slot -> tag of a lease alive), and the slot
+        # of each request that holds one. Decode side: where the board slots it reads land.
+        self.board: torch.Tensor | None = None
+        self.board_region = -1
+        self._slots: dict[str, int] = {}
+        self._checks: dict[int, tuple[int, torch.Tensor]] = {}  # remote ranks -> region, tensor
+        # Decode side: handshakes heartbeats asked for (engine -> when), requests that already
+        # handshook again because their prefill instance's epoch had changed.
+        self._prepared: dict[str, float] = {}
+        self._rehandshaked: set[str] = set()
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -125,6 +147,9 @@ class NixlConnectorWorker:
             region = self.host_buffer.tensor
         self.region = region
         self.transport.register_region(region)
+        # One slot per request that can hold a lease at once, as the scheduler sizes its own.
+        self.board = torch.zeros(region.shape[0] + self.max_num_seqs, dtype=torch.int64)
+        self.board_region = self.transport.register_region(self.board)
         self.topology = Topology(
             kv_cache, self.tp_rank, self.tp_size, self.transport, region.device
         )
@@ -146,6 +171,8 @@ class NixlConnectorWorker:
             region.shape[1],
             str(region.dtype).removeprefix("torch."),
             memory_kind(region),
+            self.board_region,
+            0 if self.board is None else self.board.numel(),
         )
         return msgspec.msgpack.encode(
             HandshakePayload(self.compat_hash, msgspec.msgpack.encode(meta))
@@ -159,6 +186,13 @@ class NixlConnectorWorker:
     def start_load_kv(self) -> None:
         meta, self._meta = self._meta, NixlConnectorMetadata()
         self._saves = meta.reqs_to_save
+        for req_id, stamp in meta.lease_stamps.items():
+            assert self.board is not None
+            self.board[stamp.slot] = stamp.tag
+            if stamp.tag:
+                self._slots[req_id] = stamp.slot
+            else:
+                self._slots.pop(req_id, None)
         for req_id, expiry in meta.reqs_to_send.items():
             lease = self._leases[req_id] = _Lease(expiry)
             if req_id in self._early_reads:
@@ -170,7 +204,20 @@ class NixlConnectorWorker:
             engine = self._engines.get(engine_id)
             if engine is not None:
                 self._notify(engine, Notif("heartbeat", remote_ids))
+            elif engine_id in meta.remote_engines:
+                self._prepare(engine_id, meta.remote_engines[engine_id])
         self._start_loads()
+
+    def _prepare(self, engine_id: str, address: RemoteAddress) -> None:
+        """Handshake with an engine that requests queued here wait for, so that their heartbeats
+        reach it before their reads; at most once per lease duration."""
+        last = self._prepared.get(engine_id)
+        if engine_id in self._handshakes or (
+            last is not None and time.monotonic() - last < self.lease_duration
+        ):
+            return
+        self._prepared[engine_id] = time.monotonic()
+        self._handshakes[engine_id] = self._handshaker.submit(self._handshake, engine_id, address)
 
     def wait_for_save(self) -> None:
         """Host staging, prefill side: the step's forward pass wrote the last blocks of these
@@ -186,39 +233,67 @@ class NixlConnectorWorker:
 
     def _start_loads(self) -> None:
         for req_id, meta in list(self._waiting.items()):
-            engine = self._engines.get(meta.remote_engine_id)
+            engine_id = meta.remote_engine_id
+            engine = self._engines.get(engine_id)
+            if engine is not None and meta.remote_epoch and engine.epoch != meta.remote_epoch:
+                if req_id in self._rehandshaked:
+                    # Handshook again and still another incarnation: its own is gone.
+                    logger.error(
+                        "KV load of request %s: the prefill instance of engine %s that holds its "
+                        "KV (epoch %s) is gone; the one there now is epoch %s.",
+                        req_id,
+                        engine_id,
+                        meta.remote_epoch,
+                        engine.epoch,
+                    )
+                    del self._waiting[req_id]
+                    self._rehandshaked.discard(req_id)
+                    self._fail(req_id, meta.local_block_ids, "failed_transfers")
+                    continue
+                # The instance restarted at the same address: learn it anew before reading.
+                logger.warning(
+                    "Engine %s answers with epoch %s, request %s names %s: handshaking again.",
+                    engine_id,
+                    engine.epoch,
+                    req_id,
+                    meta.remote_epoch,
+                )
+                self._rehandshaked.add(req_id)
+                del self._engines[engine_id]
+                engine = None
             if engine is None:
-                future = self._handshakes.get(meta.remote_engine_id)
-                if future is None:
-                    self._handshakes[meta.remote_engine_id] = self._handshaker.submit(
-                        self._handshake, meta
+                if engine_id not in self._handshakes:
+                    address = RemoteAddress(meta.remote_host, meta.remote_port, meta.remote_tp_size)
+                    self._handshakes[engine_id] = self._handshaker.submit(
+                        self._handshake, engine_id, address
                     )
                 continue
             del self._waiting[req_id]
+            self._rehandshaked.discard(req_id)
             try:
                 self._read(req_id, meta, engine)
             except Exception as e:  # a bad descriptor, a vanished agent: this request only
                 logger.error("KV load of request %s failed to start: %s", req_id, e)
                 self._fail(req_id, meta.local_block_ids, "failed_transfers")
 
-    def _handshake(self, meta: RecvReqMeta) -> RemoteEngine:
+    def _handshake(self, engine_id: str, address: RemoteAddress) -> RemoteEngine:
         assert self.topology is not None
-        ranks = self.topology.remote_ranks(meta.remote_tp_size)
+        ranks = self.topology.remote_ranks(address.tp_size)
         expected_hash = self.compat_hash if self.enforce_handshake_compat else None
         agents = []
         for rank in ranks:
             remote = fetch_agent_metadata(
-                meta.remote_host,
-                meta.remote_port,
+                address.host,
+                address.port,
                 rank,
                 expected_hash,
-                meta.remote_engine_id,
+                engine_id,
                 self.handshake_timeout,
             )
             self._check_memory(remote)
-            self.topology.check_compatible(remote, meta.remote_tp_size)
+            self.topology.check_compatible(remote, address.tp_size)
             agents.append((self.transport.add_remote_agent(remote.agent_metadata), remote))
-        return RemoteEngine(meta.remote_engine_id, meta.remote_tp_size, agents)
+        return RemoteEngine(engine_id, address.tp_size, agents, agents[0][1].epoch)
 
     def _check_memory(self, remote: AgentMetadata) -> None:
         assert self.region is not None
@@ -248,7 +323,15 @@ class NixlConnectorWorker:
             )
         # The local prefix hit covers the first blocks: read the last ones.
         remote = meta.remote_block_ids[len(meta.remote_block_ids) - len(local) :]
-        encoded = msgspec.msgpack.encode(notif)
+        done = msgspec.msgpack.encode(notif)
+        # Where the lease is checked after the data, the check's READ carries the `done`: the
+        # prefill side must not end the lease (and clear its slot) before the check read it.
+        checked = meta.remote_lease[1] != 0 and all(m.board_region >= 0 for _, m in engine.agents)
+        encoded = (
+            msgspec.msgpack.encode(Notif("heartbeat", [meta.remote_request_id]))
+            if checked
+            else done
+        )
         # Started before posting: the NIXL backend may copy inside read() itself.
         start = time.perf_counter()
         handles, num_bytes, num_descs = [], 0, 0
@@ -265,7 +348,16 @@ class NixlConnectorWorker:
             num_bytes += sum(d.length for d in local_descs)
             num_descs += len(local_descs)
         self._loads[req_id] = _Load(
-            meta, local, handles, engine.tp_size, start, num_bytes, num_descs
+            meta,
+            local,
+            handles,
+            engine.tp_size,
+            start,
+            num_bytes,
+            num_descs,
+            engine,
+            done,
+            None if checked else [],
         )
 
     def _notify(self, engine: RemoteEngine, notif: Notif) -> None:
@@ -295,7 +387,7 @@ class NixlConnectorWorker:
                 "Releasing the KV blocks of request %s: its lease expired unread.", req_id
             )
             self._count("expired_leases")
-            self._done_sending.add(req_id)
+            self._end_lease(req_id)
         for req_id in [
             r for r, (_, seen) in self._early_reads.items() if seen < now - self.lease_duration
         ]:
@@ -349,22 +441,53 @@ class NixlConnectorWorker:
     def _settle(self, req_id: str, lease: _Lease) -> None:
         if lease.reads_seen >= lease.readers_needed:
             del self._leases[req_id]
-            self._done_sending.add(req_id)
+            self._end_lease(req_id)
+
+    def _end_lease(self, req_id: str) -> None:
+        """The blocks go back to the scheduler: a reader checking the slot from now on fails."""
+        slot = self._slots.pop(req_id, None)
+        if slot is not None:
+            assert self.board is not None
+            self.board[slot] = 0
+        self._done_sending.add(req_id)
 
     def _poll_loads(self) -> None:
         assert self.topology is not None
         for req_id, load in list(self._loads.items()):
             states = [self.transport.check_state(h) for h in load.handles]
-            if XferState.PENDING in states:
+            if XferState.PENDING in states and not load.checks:
                 continue
-            del self._loads[req_id]
+            if XferState.PENDING in states:
+                # A check reads 8 bytes: wait for it a moment rather than a step.
+                deadline = time.perf_counter() + _CHECK_WAIT_S
+                while XferState.PENDING in states and time.perf_counter() < deadline:
+                    states = [self.transport.check_state(h) for h in load.handles]
+                if XferState.PENDING in states:
+                    continue
             for handle in load.handles:
                 self.transport.release(handle)
             if XferState.ERROR in states:
+                del self._loads[req_id]
                 logger.error(
                     "KV load of request %s from engine %s failed.",
                     req_id,
                     load.meta.remote_engine_id,
+                )
+                self._fail(req_id, load.local_block_ids, "failed_transfers")
+                continue
+            if load.checks is None:
+                self._check_lease(req_id, load)
+                continue
+            del self._loads[req_id]
+            slot, tag = load.meta.remote_lease
+            if any(int(seen) != tag for seen in load.checks):
+                logger.error(
+                    "KV load of request %s from engine %s: its lease there had ended when the "
+                    "read was checked (slot %d no longer holds its tag); the blocks read may "
+                    "hold another request's KV.",
+                    req_id,
+                    load.meta.remote_engine_id,
+                    slot,
                 )
                 self._fail(req_id, load.local_block_ids, "failed_transfers")
                 continue
@@ -377,6 +500,46 @@ class NixlConnectorWorker:
             self._count("transfer_seconds", time.perf_counter() - load.start)
             self._count("transfer_bytes", load.num_bytes)
             self._count("transfer_descriptors", load.num_descs)
+
+    def _check_lease(self, req_id: str, load: _Load) -> None:
+        """The data is in place: READ the lease's board slot from every remote rank read (with
+        the `done` notification). Its tag there proves the prefill side still held the blocks
+        for this request after every byte left them."""
+        agents = load.engine.agents
+        region, area = self._check_area(len(agents))
+        slot, _ = load.meta.remote_lease
+        num_blocks = self.topology.num_blocks if self.topology is not None else 0
+        handles, checks = [], []
+        try:
+            for j, (agent, remote_meta) in enumerate(agents):
+                # Loads in flight hold distinct blocks: the first one names a free entry.
+                i = j * num_blocks + load.local_block_ids[0]
+                area[i] = 0
+                checks.append(area[i : i + 1])
+                handles.append(
+                    self.transport.read(
+                        agent,
+                        [Desc(region, i * 8, 8)],
+                        [Desc(remote_meta.board_region, slot * 8, 8)],
+                        load.done,
+                    )
+                )
+        except Exception as e:  # a slot outside the board, a vanished agent
+            logger.error("KV load of request %s: the lease check failed to start: %s", req_id, e)
+            for handle in handles:
+                self.transport.release(handle)
+            del self._loads[req_id]
+            self._fail(req_id, load.local_block_ids, "failed_transfers")
+            return
+        load.handles, load.checks = handles, checks
+
+    def _check_area(self, num_ranks: int) -> tuple[int, torch.Tensor]:
+        """Where the board slots of reads from `num_ranks` remote ranks land, by local block."""
+        if num_ranks not in self._checks:
+            assert self.topology is not None
+            area = torch.zeros(num_ranks * self.topology.num_blocks, dtype=torch.int64)
+            self._checks[num_ranks] = (self.transport.register_region(area), area)
+        return self._checks[num_ranks]
 
     def take_invalid_block_ids(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()

@@ -53,6 +53,9 @@ def test_basic_lifecycle(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert output.finish_reason == FinishReason.LENGTH
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
     blocks = scheduler.kv_cache_manager.get_blocks(req_id)
+    # The lease's board slot and tag, which the reader checks after its READ.
+    stamp = scheduler.connector.scheduler.board.held[req_id]
+    lease = scheduler.connector.kv_transfer_config.kv_lease_duration
     assert output.kv_transfer_params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -63,6 +66,8 @@ def test_basic_lifecycle(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
         "remote_port": envs.side_channel_port(),
         "tp_size": 1,
         "remote_num_tokens": request.num_prompt_tokens,
+        "remote_epoch": scheduler.connector.scheduler.epoch,
+        "remote_lease": {"slot": stamp.slot, "tag": stamp.tag, "seconds": lease},
     }
     # Finished, but its blocks wait for the reader.
     assert req_id in scheduler.finished_req_ids and not scheduler.has_unfinished_requests()
