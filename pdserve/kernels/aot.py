@@ -8,7 +8,11 @@ the ptxas of the Triton wheel) instead of launching it. The binaries land in Tri
 (PDSERVE_CACHE_DIR/triton unless --cache-dir), keyed by the kernel's source, its
 specialization, the target and the compiler, so a rerun compiles only what changed.
 
-    python -m pdserve.kernels.aot [--arch 80 90] [--jobs 2] [--cache-dir DIR] [--json REPORT]
+    python -m pdserve.kernels.aot [--arch 80 90] [--jobs 2] [--quick] [--cache-dir DIR]
+        [--json REPORT]
+
+--quick compiles the default suite's share (launch_configs.QUICK_*): every kernel and variant
+for two model shapes in two dtypes, about a quarter of the configurations.
 
 TRITON_INTERPRET must be unset: the interpreter accepts kernels the compiler rejects.
 """
@@ -263,8 +267,10 @@ def problems(binaries: list[Compiled], archs: tuple[int, ...]) -> list[str]:
     return out
 
 
-def compile_all(archs: tuple[int, ...] = ARCHS, jobs: int = 1) -> list[Compiled]:
-    tasks = list(itertools.product(archs, lc.launches()))
+def compile_all(
+    archs: tuple[int, ...] = ARCHS, jobs: int = 1, quick: bool = False
+) -> list[Compiled]:
+    tasks = list(itertools.product(archs, lc.launches(quick)))
     if jobs == 1:
         results = [compile_launch(arch, launch) for arch, launch in tasks]
     else:
@@ -279,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="the default suite's share")
     parser.add_argument("--cache-dir", default=str(envs.cache_dir() / "triton"))
     parser.add_argument("--json", help="write every binary and every problem to this file")
     args = parser.parse_args(argv)
@@ -288,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     # Also sets TRITON_CACHE_DIR, which the spawned workers inherit.
     triton.knobs.cache.dir = args.cache_dir
     archs = tuple(args.arch)
-    binaries = compile_all(archs, args.jobs)
+    binaries = compile_all(archs, args.jobs, args.quick)
     found = problems(binaries, archs)
     if args.json:
         with open(args.json, "w") as f:
@@ -297,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED {problem}")
     print(
         f"{len({(b.kernel, b.arch, b.specialization) for b in binaries})} binaries of "
-        f"{len(kernels())} kernels for {len(lc.launches())} configurations x "
+        f"{len(kernels())} kernels for {len(lc.launches(args.quick))} configurations x "
         f"{', '.join(f'sm_{a}' for a in archs)}: {len(found)} problems"
     )
     return 1 if found else 0

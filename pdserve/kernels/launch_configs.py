@@ -154,11 +154,21 @@ Launch = (
 )
 
 
-def launches() -> list[Launch]:
+# The default suite's share (the slow stage compiles everything): every kernel and every variant
+# its launcher picks (decode and prefill, each block size and TP size, each sampling step), for
+# the default model and a head-size-128 model with q/k norms, in bf16 and in fp32 (fp32 takes
+# the tf32 dot path).
+QUICK_DTYPES = (torch.bfloat16, torch.float32)
+QUICK_SHAPE_NAMES = ("SmolLM2-135M", "Qwen3-0.6B")
+
+
+def launches(quick: bool = False) -> list[Launch]:
     """Every configuration the engine launches for MODEL_SHAPES in DTYPES, BLOCK_SIZES and
-    TP_SIZES, without duplicates."""
+    TP_SIZES, without duplicates; `quick`: only the QUICK_ dtypes and shapes."""
+    dtypes = QUICK_DTYPES if quick else DTYPES
+    shapes = [s for s in MODEL_SHAPES if not quick or s.name in QUICK_SHAPE_NAMES]
     out: dict[Launch, None] = {}
-    for dtype, shape in itertools.product(DTYPES, MODEL_SHAPES):
+    for dtype, shape in itertools.product(dtypes, shapes):
         for block_size, prefill in itertools.product(BLOCK_SIZES, (False, True)):
             out[AttentionLaunch(dtype, shape.head_size, shape.group, block_size, prefill)] = None
         for tp in TP_SIZES:
