@@ -2,6 +2,10 @@
 
 from typing import Any
 
+from pdserve import envs
+
+envs.apply_openmp_defaults()  # before anything imports torch
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig"]
 __version__ = "0.1.0"
 

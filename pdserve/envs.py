@@ -9,6 +9,15 @@ import os
 from pathlib import Path
 
 
+def apply_openmp_defaults() -> None:
+    """OMP_WAIT_POLICY=PASSIVE unless set: OpenMP threads that wait at a barrier sleep instead of
+    spinning. Spinning takes the core a preempted sibling needs to reach that barrier: with one
+    other busy process on a 2-core machine, SmolLM2 decoding ran 77-135 tok/s spinning and
+    280-612 passive (benchmarks/vs_vllm.py's workload). Read once, when torch loads libgomp, so
+    `import pdserve` applies it only if torch is not imported yet; worker processes inherit it."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _tri_state(name: str) -> bool | None:
     value = os.environ.get(name)
     if value is None or value == "":
