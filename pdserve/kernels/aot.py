@@ -12,7 +12,7 @@ specialization, the target and the compiler, so a rerun compiles only what chang
         [--json REPORT]
 
 --quick compiles the default suite's share (launch_configs.QUICK_*): every kernel and variant
-for two model shapes in two dtypes, about a quarter of the configurations.
+for two model shapes in bf16, an eighth of the configurations.
 
 TRITON_INTERPRET must be unset: the interpreter accepts kernels the compiler rejects.
 """

@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for sm_80 and sm_90, in every configuration the engine launches
 (kernels/launch_configs.py), with Triton's real compiler and no GPU (kernels/aot.py). The
-default suite compiles every kernel and variant for two model shapes in two dtypes (--quick,
-a few minutes on a cold cache); the slow stage compiles all of them (twelve CPU-minutes cold).
+default suite compiles every kernel and variant for two model shapes in bf16 (--quick,
+about two minutes on a cold cache); the slow stage compiles all of them (twelve CPU-minutes cold).
 
 The suite runs kernels in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET, which
 the kernel modules read when they load), and the interpreter accepts kernels the compiler
