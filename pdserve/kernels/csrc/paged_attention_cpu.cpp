@@ -48,6 +48,21 @@ inline void score_keys(const float* q, const typename K::T* key, int64_t stride,
     }
 }
 
+// Each of `rows` rows of `n` scores, `n` apart, becomes its softmax, in place.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
+  for (int64_t h = 0; h < rows; ++h) {
+    float* s = scores + h * n;
+    const float max = *std::max_element(s, s + n);
+    // Apart from the sum, so that the exponentials vectorize (glibc's libmvec).
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - max);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) sum += s[t];
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  }
+}
+
 struct Geometry {
   int64_t num_heads, num_kv_heads, head_dim, block_size;
   int64_t stride_q_token, stride_out_token;
@@ -91,17 +106,7 @@ void attend(const typename K::T* query, const typename K::T* cache, const int32_
           t += n;
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        float* s = &scores[h * num_keys];
-        const float max = *std::max_element(s, s + num_keys);
-        // Apart from the sum, so that the exponentials vectorize (glibc's libmvec).
-#pragma omp simd
-        for (int64_t t = 0; t < num_keys; ++t) s[t] = std::exp(s[t] - max);
-        float sum = 0.f;
-        for (int64_t t = 0; t < num_keys; ++t) sum += s[t];
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < num_keys; ++t) s[t] *= inv;
-      }
+      softmax_rows(scores.data(), group, num_keys);
       std::fill(acc.begin(), acc.end(), 0.f);
 #ifdef __AVX512F__
       // 16 columns at a time over all keys, the group's sums in registers.
@@ -265,16 +270,7 @@ void attend_bf16(const uint16_t* query, const uint16_t* cache, const int32_t* bl
           t += n;
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        float* s = &scores[h * num_keys];
-        const float max = *std::max_element(s, s + num_keys);
-#pragma omp simd
-        for (int64_t t = 0; t < num_keys; ++t) s[t] = std::exp(s[t] - max);
-        float sum = 0.f;
-        for (int64_t t = 0; t < num_keys; ++t) sum += s[t];
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < num_keys; ++t) s[t] *= inv;
-      }
+      softmax_rows(scores.data(), group, num_keys);
       accumulate(cache, table, num_keys, g, kv_head, scores.data(), acc.data());
       for (int64_t h = 0; h < group; ++h) {
         uint16_t* dst = out + token * g.stride_out_token + (kv_head * group + h) * dim;
