@@ -25,7 +25,7 @@ import zmq
 
 from pdserve.utils import get_open_port
 from tests.utils.faults import FaultPlan, rule
-from tests.utils.pd import prefill, split_request, start_instance
+from tests.utils.pd import greedy_body, prefill, split_request, start_instance
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
 
@@ -45,16 +45,6 @@ EXPIRED = _prompt(13, 256)
 # 38 of the prefill side's 39 usable blocks: it takes EXPIRED's freed blocks.
 FILLER = _prompt(17, 600)
 CORRUPTED = _prompt(19, 100)
-
-
-def _body(model: str, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
 
 
 def _decode(d: RemoteServer, body: dict[str, Any], params: dict[str, Any]) -> httpx.Response:
@@ -93,7 +83,7 @@ class Pair:
             raise
 
     def body(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
-        return _body(self.model, prompt, max_tokens)
+        return greedy_body(self.model, prompt, max_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +295,7 @@ def test_model_mismatch_at_handshake(tiny_model: Callable[[str], str], faults: P
     p = start_instance(tiny_model("qwen2"), "kv_producer", kv_lease_duration=LEASE)
     try:
         failures = d.metric("kv_handshake_failures_total")
-        params = prefill(p, _body(tiny_model("qwen2"), [5, 6, 7, 8]))
+        params = prefill(p, greedy_body(tiny_model("qwen2"), [5, 6, 7, 8], 8))
         resp = _decode(d, faults.body([5, 6, 7, 8]), params)
         assert resp.status_code == 500, resp.text
         assert (

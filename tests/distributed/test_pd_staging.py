@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.utils.pd import prefill, split_request, start_instance
+from tests.utils.pd import greedy_body, prefill, split_request, start_instance
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
 
@@ -43,16 +43,6 @@ def _staged(model: str, role: str, transport: str = "nixl", **extra: Any) -> Rem
     )
 
 
-def _body(model: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-
-
 def _wait_all_free(server: RemoteServer, timeout: float = 30.0) -> None:
     """Block pool full (invariant 2), and every staging block back."""
     server.wait_pool_full(timeout)
@@ -77,12 +67,14 @@ def test_staged_split_matches_reference(
         d = _staged(model, "kv_consumer", transport)
         servers.append(d)
         for prompt, expected in zip(PROMPTS, reference):
-            resp = split_request(p, d, _body(model, prompt))
+            resp = split_request(p, d, greedy_body(model, prompt, MAX_TOKENS))
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["token_ids"] == expected
         # Several at once: each holds its own staging blocks on both sides.
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            resps = list(pool.map(lambda q: split_request(p, d, _body(model, q)), PROMPTS))
+            resps = list(
+                pool.map(lambda q: split_request(p, d, greedy_body(model, q, MAX_TOKENS)), PROMPTS)
+            )
         assert [r.json()["choices"][0]["token_ids"] for r in resps] == reference
         assert d.metric("kv_transfers_total") == 2 * len(PROMPTS)
         for server in servers:
@@ -105,31 +97,31 @@ def test_staging_freed_on_every_terminal_path(
     p = _staged(model, "kv_producer", kv_lease_duration=3)
     d = _staged(model, "kv_consumer", handshake_timeout=2, transfer_timeout=3)
     try:
-        resp = split_request(p, d, _body(model, PROMPTS[2]))
+        resp = split_request(p, d, greedy_body(model, PROMPTS[2], MAX_TOKENS))
         assert resp.json()["choices"][0]["token_ids"] == reference[2]
 
-        params = prefill(p, _body(model, PROMPTS[2]))
+        params = prefill(p, greedy_body(model, PROMPTS[2], MAX_TOKENS))
         with pytest.raises(httpx.TimeoutException):  # the client gives up while D reads
             httpx.post(
                 f"{d.url}/v1/completions",
-                json={**_body(model, PROMPTS[2], 200), "kv_transfer_params": params},
+                json={**greedy_body(model, PROMPTS[2], 200), "kv_transfer_params": params},
                 timeout=0.05,
             )
         _wait_all_free(d)
         _wait_all_free(p)
 
-        prefill(p, _body(model, PROMPTS[1]))  # nobody reads it
+        prefill(p, greedy_body(model, PROMPTS[1], MAX_TOKENS))  # nobody reads it
         assert p.metric("kv_staging_free_blocks") < p.metric("kv_staging_total_blocks")
         p.wait_pool_full()  # the staged copy is what waits, not the device blocks
         _wait_all_free(p, timeout=20)
         assert p.metric("kv_expired_leases_total") == 1
 
-        params = prefill(p, _body(model, PROMPTS[2]))
+        params = prefill(p, greedy_body(model, PROMPTS[2], MAX_TOKENS))
         for pid in [p.proc.pid, *descendants(p.proc.pid)]:
             os.kill(pid, signal.SIGKILL)
         resp = httpx.post(
             f"{d.url}/v1/completions",
-            json={**_body(model, PROMPTS[2]), "kv_transfer_params": params},
+            json={**greedy_body(model, PROMPTS[2], MAX_TOKENS), "kv_transfer_params": params},
             timeout=60,
         )
         assert resp.status_code == 500, resp.text

@@ -120,3 +120,14 @@ def wait_all_pools_full(proxy: RemoteServer, timeout: float = 60) -> None:
     for readers in instances(proxy).values():
         for reader in readers:
             reader.wait_pool_full(timeout)
+
+
+def greedy_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A completion request for exactly max_tokens greedy tokens (EOS ignored)."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
