@@ -30,6 +30,13 @@ from pdserve.entrypoints.openai.errors import OpenAIError
 logger = logging.getLogger(__name__)
 
 _HEALTH_INTERVAL_S = 2.0
+# Health checks in a row that may time out before an instance is marked down: a loaded instance
+# answers late (or its accept queue overflows under a burst and the kernel drops SYNs, retried
+# after 1 s and 3 s), which is not a dead one.
+_LATE_CHECKS_TOLERATED = 2
+# Above the kernel's SYN retries (1 s, 3 s, 7 s) so that a burst of new connections to an
+# instance whose accept queue is full waits instead of failing.
+_CONNECT_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -39,13 +46,19 @@ class Instance:
     client: httpx.AsyncClient
     healthy: bool = True
     last_error: str | None = None
+    late_checks: int = 0
 
     async def check(self) -> None:
         try:
             resp = await self.client.get("/health", timeout=_HEALTH_INTERVAL_S)
             ok, why = resp.status_code == 200, f"/health answered {resp.status_code}"
+            self.late_checks = 0
+        except httpx.TimeoutException as e:
+            self.late_checks += 1
+            why = f"{type(e).__name__} on /health {self.late_checks} times in a row"
+            ok = self.healthy and self.late_checks <= _LATE_CHECKS_TOLERATED
         except httpx.HTTPError as e:
-            ok, why = False, f"{type(e).__name__}: {e}"
+            ok, why, self.late_checks = False, f"{type(e).__name__}: {e}", 0
         if ok != self.healthy:
             logger.warning(
                 "%s instance %s is %s%s",
@@ -61,7 +74,7 @@ class InstancePool:
     def __init__(self, role: str, addresses: list[str], timeout_s: float) -> None:
         if not addresses:
             raise ValueError(f"at least one {role} instance (--{role} HOST:PORT) is needed")
-        timeout = httpx.Timeout(timeout_s, connect=5.0)
+        timeout = httpx.Timeout(timeout_s, connect=_CONNECT_TIMEOUT_S)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self.instances = [
             Instance(
@@ -96,11 +109,12 @@ class InstancePool:
 
 
 def _upstream_error(instance: Instance, e: Exception) -> OpenAIError:
-    """A peer that cannot be reached is marked down until its health check passes again."""
-    instance.healthy, instance.last_error = False, f"{type(e).__name__}: {e}"
-    return OpenAIError(
-        503, f"The {instance.role} instance {instance.url} failed: {instance.last_error}"
-    )
+    """A peer that refuses or drops the connection is marked down until its health check passes
+    again; one that only timed out fails this request and is left to the health checks."""
+    why = f"{type(e).__name__}: {e}"
+    if not isinstance(e, httpx.TimeoutException):
+        instance.healthy, instance.last_error = False, why
+    return OpenAIError(503, f"The {instance.role} instance {instance.url} failed: {why}")
 
 
 def _forwarded_error(instance: Instance, resp: httpx.Response) -> OpenAIError:
