@@ -12,10 +12,11 @@
 
 namespace {
 
-// Below this many elements one thread finishes before a second would have started: a decode
-// step's norms and rotations stay on the calling thread, off the OpenMP barrier that waits for
-// a sibling thread the scheduler may have preempted.
-constexpr int64_t kParallelMinElements = 1 << 16;
+// Below this many elements (~300 us of work on one thread) one thread finishes before a second
+// would have started: a sleeping OpenMP thread (OMP_WAIT_POLICY=PASSIVE) takes 100-300 us to
+// wake on these VMs, and a running one may be preempted. Every decode step's norms, rotations
+// and activations stay on the calling thread; prefill's large batches are split.
+constexpr int64_t kParallelMinElements = 1 << 20;
 
 using pdserve::BF16;
 using pdserve::F32;

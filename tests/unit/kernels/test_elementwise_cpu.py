@@ -34,6 +34,17 @@ def test_rms_norm_alone_and_with_residual(num_rows: int) -> None:
     assert torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1])
 
 
+def test_rms_norm_split_over_threads() -> None:
+    # Over the kernels' 1M-element threshold. Torch sums the variance in another order at this
+    # size, so a few outputs differ from it by one bf16 step.
+    x, weight = _randn(2048, 576), _randn(576, seed=2)
+    result = elementwise_cpu.rms_norm(x, None, weight, 1e-5)
+    assert result is not None
+    out, expected = result[0], rms_norm_torch(x, weight, 1e-5)
+    torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=2**-7)
+    assert (out != expected).float().mean() < 1e-4
+
+
 def test_rms_norm_of_strided_heads() -> None:
     # Qwen3's per-head q/k norm: heads sliced out of the fused projection.
     qkv = _randn(5, 6 * 32)
@@ -43,7 +54,8 @@ def test_rms_norm_of_strided_heads() -> None:
     assert out is not None and torch.equal(out[0], rms_norm_torch(q, weight, 1e-6))
 
 
-@pytest.mark.parametrize("num_tokens", [9, 200])  # a decode batch on one thread, a prefill on all
+# A decode batch on one thread; a prefill, split over the threads at head size 128.
+@pytest.mark.parametrize("num_tokens", [9, 1000])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_rotary_matches_reference(head_dim: int, num_tokens: int) -> None:
     qkv = _randn(num_tokens, 12 * head_dim)
@@ -57,7 +69,7 @@ def test_rotary_matches_reference(head_dim: int, num_tokens: int) -> None:
     assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
 
 
-@pytest.mark.parametrize("num_rows", [1, 64])
+@pytest.mark.parametrize("num_rows", [1, 64, 1024])
 def test_silu_and_mul_matches_reference(num_rows: int) -> None:
     x = _randn(num_rows, 2 * 1536) * 4
     out = elementwise_cpu.silu_and_mul(x)
