@@ -195,6 +195,15 @@ inline void score16_bf16(const uint16_t* q, const uint16_t* key, int64_t key_str
   }
 }
 
+// The head's rows of a block's keys (or values) on their way to the cache while the block
+// before them is worked on: blocks lie anywhere, so the hardware's stream prefetch stops at
+// each block's end.
+inline void prefetch_block(const uint16_t* rows, const Geometry& g) {
+  for (int64_t i = 0; i < g.block_size; ++i)
+    for (int64_t d = 0; d < g.head_dim; d += 32)
+      _mm_prefetch(reinterpret_cast<const char*>(rows + i * g.stride_slot + d), _MM_HINT_T0);
+}
+
 // acc[h * dim + c..] += sum_t p[h][t] * value_t[c..] for CH 16-column chunks from column c, all
 // keys, the G heads' sums in registers.
 template <int G, int CH>
@@ -207,6 +216,10 @@ inline void accumulate_values(const uint16_t* cache, const int32_t* table, int64
   for (int64_t t = 0, b = 0; t < num_keys; ++b) {
     const uint16_t* value =
         cache + int64_t(table[b]) * g.stride_block + g.stride_kv + kv_head * g.head_dim + c;
+    if (c == 0 && t + g.block_size < num_keys)  // the later column passes find them cached
+      prefetch_block(cache + int64_t(table[b + 1]) * g.stride_block + g.stride_kv +
+                         kv_head * g.head_dim,
+                     g);
     for (const int64_t end = std::min(t + g.block_size, num_keys); t < end; ++t) {
       __m512 v[CH];
       for (int j = 0; j < CH; ++j) v[j] = BF16::load16(value + 16 * j);
@@ -248,7 +261,9 @@ void attend_bf16(const uint16_t* query, const uint16_t* cache, const int32_t* bl
   {
   std::vector<uint16_t> q(group * dim);
   std::vector<float> acc(group * dim), scores;
-#pragma omp for schedule(dynamic)
+  // A request's KV heads on one thread, one after the other: they share each slot's cache
+  // lines, so the lines one head brought in serve the next.
+#pragma omp for schedule(dynamic, g.num_kv_heads)
   for (int64_t item = 0; item < num_reqs * g.num_kv_heads; ++item) {
     const int64_t req = item / g.num_kv_heads, kv_head = item % g.num_kv_heads;
     const int32_t* table = block_table + req * g.stride_block_table;
@@ -263,6 +278,8 @@ void attend_bf16(const uint16_t* query, const uint16_t* cache, const int32_t* bl
                   group * dim * sizeof(uint16_t));
       for (int64_t t = 0, b = 0; t < num_keys; ++b) {
         const uint16_t* key = cache + int64_t(table[b]) * g.stride_block + kv_head * dim;
+        if (t + g.block_size < num_keys)
+          prefetch_block(cache + int64_t(table[b + 1]) * g.stride_block + kv_head * dim, g);
         for (const int64_t end = std::min(t + g.block_size, num_keys); t < end;) {
           const int64_t n = std::min<int64_t>(16, end - t);
           score16_bf16(q.data(), key, g.stride_slot, n, group, dim, g.scale, &scores[t], num_keys);
