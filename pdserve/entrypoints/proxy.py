@@ -5,6 +5,12 @@ with `max_tokens=1`, no streaming and `kv_transfer_params={"do_remote_decode": t
 original, carrying the prefill answer's `kv_transfer_params`, to a decode instance, whose answer
 (streamed or not) goes back to the client. One X-Request-Id names both hops. Instances are taken
 round-robin among those whose /health answered 200 at the last check.
+
+When the prefill leg cannot be used (no prefill instance is up, its hop failed, or it answered
+without `kv_transfer_params`), the decode instance prefills the request itself, never untold:
+the response says `X-PD-Path: local; reason=...` (`remote` otherwise) and
+`pdserve:proxy_requests_total{path, reason}` on the proxy's /metrics counts it. `--strict-pd`
+answers 503 with the reason instead.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from pdserve.entrypoints.openai.errors import OpenAIError
 
@@ -108,13 +115,36 @@ class InstancePool:
             await instance.client.aclose()
 
 
-def _upstream_error(instance: Instance, e: Exception) -> OpenAIError:
-    """A peer that refuses or drops the connection is marked down until its health check passes
-    again; one that only timed out fails this request and is left to the health checks."""
+def _failed(instance: Instance, e: Exception) -> str:
+    """Why a hop to `instance` failed. A peer that refuses or drops the connection is marked down
+    until its health check passes again; one that only timed out is left to the health checks."""
     why = f"{type(e).__name__}: {e}"
     if not isinstance(e, httpx.TimeoutException):
         instance.healthy, instance.last_error = False, why
-    return OpenAIError(503, f"The {instance.role} instance {instance.url} failed: {why}")
+    return f"The {instance.role} instance {instance.url} failed: {why}"
+
+
+def _upstream_error(instance: Instance, e: Exception) -> OpenAIError:
+    return OpenAIError(503, _failed(instance, e))
+
+
+@dataclass
+class PrefillLeg:
+    """The first hop's outcome: the KV to hand over, or why the decode instance prefills."""
+
+    instance: Instance | None = None
+    params: dict[str, Any] | None = None
+    reason: str | None = None  # set when the path is local
+    detail: str = ""
+
+    @property
+    def path(self) -> str:
+        return "remote" if self.reason is None else "local"
+
+    @property
+    def header(self) -> str:
+        """X-PD-Path's value."""
+        return self.path if self.reason is None else f"local; reason={self.reason}"
 
 
 def _forwarded_error(instance: Instance, resp: httpx.Response) -> OpenAIError:
@@ -127,11 +157,21 @@ def _forwarded_error(instance: Instance, resp: httpx.Response) -> OpenAIError:
     return OpenAIError(status, f"{instance.role} instance {instance.url}: {message}")
 
 
-def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 600.0) -> FastAPI:
+def build_proxy_app(
+    prefill: list[str], decode: list[str], timeout_s: float = 600.0, strict_pd: bool = False
+) -> FastAPI:
     pools = {
         "prefill": InstancePool("prefill", prefill, timeout_s),
         "decode": InstancePool("decode", decode, timeout_s),
     }
+    registry = CollectorRegistry()
+    requests_by_path = Counter(
+        "pdserve:proxy_requests",
+        "Requests by how they were served: path remote (prefill instance, KV handed over) or "
+        "local (the decode instance prefilled), with the reason.",
+        ["path", "reason"],
+        registry=registry,
+    )
 
     async def health_loop() -> None:
         while True:
@@ -179,14 +219,9 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 60
             if not relaying:  # a stream's relay lets the id go when it ends
                 in_flight.discard(request_id)
 
-    async def split(
-        request: Request, request_id: str, body: dict[str, Any], endpoint: str
-    ) -> Response:
-        """Both hops of one request; a stream's id stays in flight until its relay ends."""
-        headers = {"X-Request-Id": request_id}
-        if "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
-
+    async def prefill_leg(
+        body: dict[str, Any], endpoint: str, headers: dict[str, str]
+    ) -> PrefillLeg:
         hop = {
             **body,
             "max_tokens": 1,
@@ -197,22 +232,53 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 60
             hop["max_completion_tokens"] = 1
         for key in ("stream_options", "min_tokens"):
             hop.pop(key, None)
-        prefill_instance = pools["prefill"].pick()
         try:
-            resp = await prefill_instance.client.post(f"/v1/{endpoint}", json=hop, headers=headers)
+            instance = pools["prefill"].pick()
+        except OpenAIError as e:
+            return PrefillLeg(reason="prefill-unavailable", detail=e.message)
+        try:
+            resp = await instance.client.post(f"/v1/{endpoint}", json=hop, headers=headers)
         except httpx.HTTPError as e:
-            raise _upstream_error(prefill_instance, e) from None
-        if resp.status_code != 200:
-            raise _forwarded_error(prefill_instance, resp)
+            return PrefillLeg(instance, reason="prefill-failed", detail=_failed(instance, e))
+        if resp.status_code >= 500:
+            detail = _forwarded_error(instance, resp).message
+            return PrefillLeg(instance, reason="prefill-failed", detail=detail)
+        if resp.status_code != 200:  # the client's mistake: the decode instance would agree
+            raise _forwarded_error(instance, resp)
         params = resp.json().get("kv_transfer_params")
-        if params:
-            body = {**body, "kv_transfer_params": params}
-        # Tells the client (the demo) how much KV the prefill instance handed over.
+        if not params:
+            detail = f"{instance.url} answered without kv_transfer_params (no KV connector?)"
+            return PrefillLeg(instance, reason="no-kv-transfer-params", detail=detail)
+        return PrefillLeg(instance, params)
+
+    async def split(
+        request: Request, request_id: str, body: dict[str, Any], endpoint: str
+    ) -> Response:
+        """Both hops of one request; a stream's id stays in flight until its relay ends."""
+        headers = {"X-Request-Id": request_id}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+
+        leg = await prefill_leg(body, endpoint, headers)
+        requests_by_path.labels(leg.path, leg.reason or "none").inc()
+        if leg.reason is not None:
+            logger.info("Request %s served locally (%s): %s", request_id, leg.reason, leg.detail)
+            if strict_pd:
+                raise OpenAIError(
+                    503,
+                    f"The prefill leg could not be used ({leg.reason}: {leg.detail}), and "
+                    "--strict-pd refuses to let the decode instance prefill.",
+                )
+        else:
+            body = {**body, "kv_transfer_params": leg.params}
+        # Tell the client how it was served and, for the demo, how much KV was handed over.
         out_headers = {
             "X-Request-Id": request_id,
-            "X-PD-Prefill-Instance": prefill_instance.url,
-            "X-PD-KV-Blocks": str(len((params or {}).get("remote_block_ids") or [])),
+            "X-PD-Path": leg.header,
+            "X-PD-KV-Blocks": str(len((leg.params or {}).get("remote_block_ids") or [])),
         }
+        if leg.instance is not None:
+            out_headers["X-PD-Prefill-Instance"] = leg.instance.url
 
         decode_instance = pools["decode"].pick()
         out_headers["X-PD-Decode-Instance"] = decode_instance.url
@@ -263,12 +329,19 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout_s: float = 60
             raise _upstream_error(instance, e) from None
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         status = {role: pool.status() for role, pool in pools.items()}
-        ok = all(any(i["healthy"] for i in s) for s in status.values())
+        up = {role: any(i["healthy"] for i in s) for role, s in status.items()}
+        # Without a prefill instance the decode instances still serve, prefilling themselves.
+        serving = up["decode"] and (up["prefill"] or not strict_pd)
         return JSONResponse(
-            {"status": "ok" if ok else "degraded", **status}, status_code=200 if ok else 503
+            {"status": "ok" if all(up.values()) else "degraded", **status},
+            status_code=200 if serving else 503,
         )
 
     return app
@@ -285,6 +358,12 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds an instance may take to answer one hop",
     )
+    parser.add_argument(
+        "--strict-pd",
+        action="store_true",
+        help="answer 503 when the prefill leg cannot be used, instead of letting the decode "
+        "instance prefill the request itself (X-PD-Path: local)",
+    )
 
 
 def run_proxy(args: argparse.Namespace) -> int:
@@ -292,7 +371,7 @@ def run_proxy(args: argparse.Namespace) -> int:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"instance address {address!r} is not HOST:PORT")
-    app = build_proxy_app(args.prefill, args.decode, args.timeout)
+    app = build_proxy_app(args.prefill, args.decode, args.timeout, args.strict_pd)
     uvicorn.Server(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5

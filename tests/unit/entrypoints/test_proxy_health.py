@@ -90,18 +90,42 @@ def test_a_hop_that_times_out_fails_its_request_and_leaves_the_instance_up() -> 
     asyncio.run(run())
 
 
-def test_a_refused_hop_marks_the_instance_down() -> None:
+def test_a_refused_prefill_hop_marks_it_down_and_strict_pd_names_why() -> None:
+    async def run() -> None:
+        address = f"127.0.0.1:{_free_port()}"
+        app = proxy.build_proxy_app([address], [address], timeout_s=0.3, strict_pd=True)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            resp = await client.post("/v1/completions", json={"prompt": "hi"})
+            assert resp.status_code == 503
+            message = resp.json()["error"]["message"]
+            assert "(prefill-failed: " in message and "ConnectError" in message, message
+            assert "--strict-pd" in message
+            health = await client.get("/health")
+            assert health.status_code == 503
+            assert not health.json()["prefill"][0]["healthy"]
+            again = await client.post("/v1/completions", json={"prompt": "hi"})
+            assert (
+                "(prefill-unavailable: No healthy prefill instance"
+                in again.json()["error"]["message"]
+            )
+            metrics = (await client.get("/metrics")).text
+            for reason in ("prefill-failed", "prefill-unavailable"):
+                line = f'pdserve:proxy_requests_total{{path="local",reason="{reason}"}} 1.0'
+                assert line in metrics, metrics
+
+    asyncio.run(run())
+
+
+def test_without_strict_pd_the_decode_instance_is_asked_to_prefill() -> None:
     async def run() -> None:
         address = f"127.0.0.1:{_free_port()}"
         app = proxy.build_proxy_app([address], [address], timeout_s=0.3)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
             resp = await client.post("/v1/completions", json={"prompt": "hi"})
+            # Nobody listens there either: the fallback reached the decode instance.
             assert resp.status_code == 503
-            health = await client.get("/health")
-            assert health.status_code == 503
-            assert not health.json()["prefill"][0]["healthy"]
-            again = await client.post("/v1/completions", json={"prompt": "hi"})
-            assert "No healthy prefill instance" in again.json()["error"]["message"]
+            assert "The decode instance" in resp.json()["error"]["message"]
 
     asyncio.run(run())

@@ -1,0 +1,106 @@
+"""How the proxy served each request, told to the client (`X-PD-Path`) and counted
+(`pdserve:proxy_requests_total`): remote through a prefill instance, or local (the decode
+instance prefilled) with the reason; `--strict-pd` refuses the local path. pd_lessons 16.
+
+Real instances (a prefill, a decode, and one without a KV connector standing in for a prefill
+instance that cannot hand KV over), real `pdserve proxy` processes, the official client."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from pdserve.utils import get_open_port
+from tests.utils.pd import start_instance
+from tests.utils.server import RemoteServer
+from tests.utils.tiny_models import hf_greedy
+
+PROMPT = [(i * 7) % 200 + 3 for i in range(40)]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Callable[[str], str]) -> str:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model: str) -> list[int]:
+    return hf_greedy(Path(model), [PROMPT], MAX_TOKENS)[0]
+
+
+@pytest.fixture(scope="module")
+def servers(model: str) -> Iterator[dict[str, RemoteServer]]:
+    with (
+        start_instance(model, "kv_producer") as p,
+        start_instance(model, "kv_consumer") as d,
+        RemoteServer(["serve", "--model", model, "--dtype", "float32"]) as plain,
+    ):
+        yield {"prefill": p, "decode": d, "plain": plain}
+
+
+def _proxy(prefill: str, decode: RemoteServer, *flags: str) -> RemoteServer:
+    decode_address = decode.url.removeprefix("http://")
+    return RemoteServer(["proxy", "--prefill", prefill, "--decode", decode_address, *flags])
+
+
+def _complete(proxy: RemoteServer, model: str) -> tuple[str, list[int]]:
+    raw = proxy.client().completions.with_raw_response.create(
+        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    return raw.headers["X-PD-Path"], raw.parse().choices[0].model_extra["token_ids"]
+
+
+def _counted(proxy: RemoteServer, path: str, reason: str) -> float:
+    return proxy.metric("proxy_requests_total", path=path, reason=reason)
+
+
+def test_remote_path(servers: dict[str, RemoteServer], model: str, reference: list[int]) -> None:
+    with _proxy(servers["prefill"].url.removeprefix("http://"), servers["decode"]) as proxy:
+        transfers = servers["decode"].metric("kv_transfers_total")
+        assert _complete(proxy, model) == ("remote", reference)
+        assert servers["decode"].metric("kv_transfers_total") == transfers + 1
+        assert _counted(proxy, "remote", "none") == 1
+        assert proxy.stop() == []
+
+
+def test_prefill_without_kv_transfer_params_is_served_locally_and_told(
+    servers: dict[str, RemoteServer], model: str, reference: list[int]
+) -> None:
+    with _proxy(servers["plain"].url.removeprefix("http://"), servers["decode"]) as proxy:
+        transfers = servers["decode"].metric("kv_transfers_total")
+        path, tokens = _complete(proxy, model)
+        assert (path, tokens) == ("local; reason=no-kv-transfer-params", reference)
+        assert servers["decode"].metric("kv_transfers_total") == transfers
+        assert _counted(proxy, "local", "no-kv-transfer-params") == 1
+        assert proxy.stop() == []
+
+
+def test_unreachable_prefill_is_served_locally_and_told(
+    servers: dict[str, RemoteServer], model: str, reference: list[int]
+) -> None:
+    with _proxy(f"127.0.0.1:{get_open_port()}", servers["decode"]) as proxy:
+        # Refused at the first hop (or already marked down by the health check): either way local.
+        first, tokens = _complete(proxy, model)
+        assert tokens == reference
+        assert first in ("local; reason=prefill-failed", "local; reason=prefill-unavailable")
+        assert _complete(proxy, model) == ("local; reason=prefill-unavailable", reference)
+        failed = _counted(proxy, "local", "prefill-failed")
+        assert failed + _counted(proxy, "local", "prefill-unavailable") == 2
+        assert proxy.stop() == []
+
+
+def test_strict_pd_refuses_the_local_path(servers: dict[str, RemoteServer], model: str) -> None:
+    plain = servers["plain"].url.removeprefix("http://")
+    with _proxy(plain, servers["decode"], "--strict-pd") as proxy:
+        with pytest.raises(openai.APIStatusError) as e:
+            _complete(proxy, model)
+        assert e.value.status_code == 503
+        message = e.value.body["message"]
+        assert "no-kv-transfer-params" in message and "--strict-pd" in message, message
+        assert _counted(proxy, "local", "no-kv-transfer-params") == 1
+        assert proxy.stop() == []
