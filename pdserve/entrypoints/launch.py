@@ -123,6 +123,9 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tp", type=int, default=1)
     parser.add_argument("--transport", choices=["nixl", "ucx"], default="nixl")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--strict-pd", action="store_true", help="passed to the proxy: no local prefill path"
+    )
 
 
 def _kv_config(role: str, transport: str) -> str:
@@ -187,6 +190,7 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
                 *map(address, instances["prefill"]),
                 "--decode",
                 *map(address, instances["decode"]),
+                *(["--strict-pd"] if args.strict_pd else []),
             ],
             args.port,
         )
