@@ -26,10 +26,16 @@ class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     invalid_block_ids: set[int] = msgspec.field(default_factory=set)
     # Counters since the last step (bytes, transfers, failures...), summed over workers.
     stats: dict[str, float] | None = None
+    # Request id -> why its load failed (its blocks are among `invalid_block_ids`).
+    load_errors: dict[str, str] | None = None
 
     def is_empty(self) -> bool:
         return not (
-            self.finished_sending or self.finished_recving or self.invalid_block_ids or self.stats
+            self.finished_sending
+            or self.finished_recving
+            or self.invalid_block_ids
+            or self.stats
+            or self.load_errors
         )
 
 
@@ -95,6 +101,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+    # With finish_reason ERROR: why the request failed, for its client.
+    error: str | None = None
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -121,6 +129,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": why
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -36,6 +36,7 @@ class _SequenceState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": why, for the client
     # What a DELTA output already gave the caller: tokens, characters.
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
@@ -50,6 +51,7 @@ class _SequenceState:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            error=self.error,
         )
 
     def delta(self) -> CompletionOutput:
@@ -70,6 +72,7 @@ class _SequenceState:
             logprobs=None if self.logprobs is None else self.logprobs[first:],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            error=self.error,
         )
 
 
@@ -199,7 +202,7 @@ class OutputProcessor:
                     to_abort.append(out.request_id)
             elif out.finish_reason is not None:
                 seq.finish_reason = str(FinishReason(out.finish_reason))
-                seq.stop_reason = out.stop_reason
+                seq.stop_reason, seq.error = out.stop_reason, out.error
             entry = updated.get(state.request_id)
             if entry is None:
                 entry = updated[state.request_id] = (

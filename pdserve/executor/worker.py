@@ -126,6 +126,7 @@ class Worker:
             finished_recving,
             connector.get_block_ids_with_load_errors(),
             connector.get_worker_stats() or None,
+            connector.get_load_errors() or None,
         )
         # A step with nothing scheduled returns the shared empty output: never mutate it.
         return ModelRunnerOutput(

@@ -1,5 +1,7 @@
 """Across TP workers, a transfer is finished only once every worker reported it (vLLM's
-KVOutputAggregator): the scheduler must not free or promote a request while a rank still reads."""
+KVOutputAggregator): the scheduler must not free or promote a request while a rank still reads.
+A load that failed on several ranks in one step keeps the lowest rank's reason: one request,
+one message for its client (the ranks' reasons differ by little more than the rank)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class KVOutputAggregator:
         recving: set[str] = set()
         invalid: set[int] = set()
         stats: dict[str, float] = {}
+        errors: dict[str, str] = {}
         for output in outputs:
             kv = output.kv_connector_output
             if kv is None:
@@ -33,8 +36,10 @@ class KVOutputAggregator:
             invalid |= kv.invalid_block_ids
             for name, value in (kv.stats or {}).items():
                 stats[name] = stats.get(name, 0.0) + value
+            for req_id, reason in (kv.load_errors or {}).items():
+                errors.setdefault(req_id, reason)
         result = outputs[output_rank]
         result.kv_connector_output = KVConnectorOutput(
-            sending or None, recving or None, invalid, stats or None
+            sending or None, recving or None, invalid, stats or None, errors or None
         )
         return result

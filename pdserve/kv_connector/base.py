@@ -111,6 +111,11 @@ class KVConnectorBase(abc.ABC):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
 
+    def get_load_errors(self) -> dict[str, str]:
+        """Why each failed load failed (request id -> a short reason, no addresses), for the
+        requests whose blocks `get_block_ids_with_load_errors` reports; each reported once."""
+        return {}
+
     def get_worker_stats(self) -> dict[str, float]:
         """Counters since the last call, summed across workers by the engine."""
         return {}

@@ -19,15 +19,24 @@ from pdserve.scheduler.request_queue import RequestQueue, SchedulingPolicy, crea
 
 logger = logging.getLogger(__name__)
 
+# When the connector gave no reason for a failed load.
+_UNKNOWN_LOAD_ERROR = "the KV read failed (this instance's log says why)"
+
+
+class FailedLoad(NamedTuple):
+    request: Request
+    worker_done: bool  # whether the worker is done with its blocks (else they wait for it)
+    reason: str  # for the request's client
+
 
 class TransferDecisions(NamedTuple):
     """What the workers' transfer news asks of the Scheduler."""
 
     # Finished requests whose blocks a transfer held until now: free them.
     to_free: list[Request]
-    # Loads that failed under policy "fail", each with whether the worker is done with its
-    # blocks: end them with an error, their blocks freed only once the worker is done.
-    failed: list[tuple[Request, bool]]
+    # Loads that failed under policy "fail": end them with an error, their blocks freed only
+    # once the worker is done.
+    failed: list[FailedLoad]
 
 
 class RemoteKVRequests:
@@ -185,13 +194,17 @@ class RemoteKVRequests:
                 logger.warning("Unexpected finished KV send for request %s; ignored.", req_id)
         failed = []
         if kv_connector_output.invalid_block_ids:
-            failed = self._apply_load_failure_policy(kv_connector_output.invalid_block_ids)
+            failed = self._apply_load_failure_policy(
+                kv_connector_output.invalid_block_ids, kv_connector_output.load_errors or {}
+            )
         return TransferDecisions(list(to_free.values()), failed)
 
-    def _apply_load_failure_policy(self, invalid_block_ids: set[int]) -> list[tuple[Request, bool]]:
+    def _apply_load_failure_policy(
+        self, invalid_block_ids: set[int], load_errors: dict[str, str]
+    ) -> list[FailedLoad]:
         """Requests whose load left blocks unwritten: under policy "recompute" they keep the
         tokens before their first bad block and prefill the rest; under "fail" they leave the
-        queue and are returned, each with whether the worker is done with its blocks.
+        queue and are returned with the connector's reason.
 
         The bad blocks are never hashed: loaded blocks are cached only at promotion, and only up
         to `num_computed_tokens`, which stops before them.
@@ -208,10 +221,11 @@ class RemoteKVRequests:
             if first_bad is None:
                 continue
             logger.warning(
-                "KV load of request %s failed from block %d of %d; %s.",
+                "KV load of request %s failed from block %d of %d (%s); %s.",
                 request.request_id,
                 first_bad,
                 len(block_ids),
+                load_errors.get(request.request_id, "no reason given"),
                 "recomputing the rest" if recompute else "the request fails",
             )
             if recompute:
@@ -222,4 +236,11 @@ class RemoteKVRequests:
         if not failed:
             return []
         self.skipped_waiting.remove_requests(failed)
-        return [(request, not self.finish(request)) for request in failed]
+        return [
+            FailedLoad(
+                request,
+                not self.finish(request),
+                load_errors.get(request.request_id, _UNKNOWN_LOAD_ERROR),
+            )
+            for request in failed
+        ]

@@ -285,11 +285,13 @@ class Scheduler:
         for request in to_free:
             self._free_blocks(request)
         outputs = []
-        for request, worker_done in failed:
+        for request, worker_done, reason in failed:
             request.status = RequestStatus.FINISHED_ERROR
             self._free_request(request, delay_free_blocks=not worker_done)
             outputs.append(
-                EngineCoreOutput(request.request_id, [], finish_reason=int(FinishReason.ERROR))
+                EngineCoreOutput(
+                    request.request_id, [], finish_reason=int(FinishReason.ERROR), error=reason
+                )
             )
         return outputs
 

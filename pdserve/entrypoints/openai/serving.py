@@ -434,10 +434,12 @@ async def _raising_on_error(
     stream: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     async for i, out in stream:
-        if any(c.finish_reason == "error" for c in out.outputs):
+        failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+        if failed is not None:
+            why = failed.error or "this instance's log says why"
             raise RequestFailedError(
                 f"Request {out.request_id} failed in the engine: its KV cache could not be loaded "
-                "from the prefill instance (this instance's log says why)."
+                f"from the prefill instance: {why}."
             )
         yield i, out
 

@@ -102,6 +102,10 @@ class NixlConnector(KVConnectorBase):
         assert self.worker is not None
         return self.worker.take_invalid_block_ids()
 
+    def get_load_errors(self) -> dict[str, str]:
+        assert self.worker is not None
+        return self.worker.take_load_errors()
+
     def get_worker_stats(self) -> dict[str, float]:
         assert self.worker is not None
         return self.worker.take_stats()

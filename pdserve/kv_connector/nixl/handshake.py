@@ -14,7 +14,13 @@ import threading
 import msgspec
 import zmq
 
-from pdserve.kv_connector.nixl.metadata import AgentMetadata, HandshakePayload, HandshakeRequest
+from pdserve.kv_connector.nixl.metadata import (
+    AgentMetadata,
+    HandshakePayload,
+    HandshakeRequest,
+    compatibility_hash,
+    factor_differences,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +28,13 @@ _POLL_MS = 500  # how often the server thread looks at its stop flag
 
 
 class HandshakeError(RuntimeError):
-    """The handshake failed: no answer, a malformed answer, or an incompatible peer."""
+    """The handshake failed: no answer, a malformed answer, or an incompatible peer.
+
+    `reason` is the message without the peer's address: what a client may be told."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"KV handshake with {where}: {reason}.")
+        self.reason = reason
 
 
 class HandshakeServer:
@@ -82,11 +94,12 @@ def fetch_agent_metadata(
     host: str,
     port: int,
     tp_rank: int,
-    expected_hash: str | None,
+    expected_factors: dict[str, str | int] | None,
     expected_engine_id: str,
     timeout_s: float,
 ) -> AgentMetadata:
-    """Ask a prefill instance for one rank's metadata; raises HandshakeError on any failure."""
+    """Ask a prefill instance for one rank's metadata; raises HandshakeError on any failure.
+    `expected_factors`: this instance's compatibility factors (None: the hash is not checked)."""
     ctx = zmq.Context.instance()
     socket = ctx.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
@@ -98,32 +111,36 @@ def fetch_agent_metadata(
         socket.send(msgspec.msgpack.encode(HandshakeRequest(tp_rank)))
         reply = socket.recv()
     except zmq.Again:
-        raise HandshakeError(
-            f"KV handshake with {where}: no answer within {timeout_s:.1f} s."
-        ) from None
+        raise HandshakeError(where, f"no answer within {timeout_s:.1f} s") from None
     except zmq.ZMQError as e:
-        raise HandshakeError(f"KV handshake with {where} failed: {e}") from None
+        raise HandshakeError(where, str(e)) from None
     finally:
         socket.close()
     try:
         payload = msgspec.msgpack.decode(reply, type=HandshakePayload)
     except msgspec.DecodeError:
         raise HandshakeError(
-            f"KV handshake with {where}: undecodable answer (an incompatible pdserve version?)."
+            where, "undecodable answer (an incompatible pdserve version?)"
         ) from None
-    if expected_hash is not None and payload.compatibility_hash != expected_hash:
-        raise HandshakeError(
-            f"KV handshake with {where}: compatibility hash mismatch (theirs "
-            f"{payload.compatibility_hash}, ours {expected_hash}): the two instances differ in "
-            "model, dtype, KV heads, head size, layers, block size, transport or version."
-        )
+    if expected_factors is not None:
+        expected_hash = compatibility_hash(expected_factors)
+        if payload.compatibility_hash != expected_hash:
+            differences = factor_differences(payload.compatibility_factors, expected_factors) or (
+                "the two instances differ in model, dtype, KV heads, head size, layers, block "
+                "size, transport or version"
+            )
+            raise HandshakeError(
+                where,
+                f"compatibility hash mismatch (prefill {payload.compatibility_hash}, decode "
+                f"{expected_hash}): {differences}",
+            )
     try:
         meta = msgspec.msgpack.decode(payload.agent_metadata, type=AgentMetadata)
     except msgspec.DecodeError:
-        raise HandshakeError(f"KV handshake with {where}: undecodable agent metadata.") from None
+        raise HandshakeError(where, "undecodable agent metadata") from None
     if meta.engine_id != expected_engine_id:
         raise HandshakeError(
-            f"KV handshake with {where}: the instance there is engine {meta.engine_id}, not "
-            f"{expected_engine_id} (restarted?)."
+            where,
+            f"the instance there is engine {meta.engine_id}, not {expected_engine_id} (restarted?)",
         )
     return meta

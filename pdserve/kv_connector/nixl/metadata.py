@@ -106,6 +106,8 @@ class AgentMetadata(msgspec.Struct, array_like=True):
 class HandshakePayload(msgspec.Struct, array_like=True):
     compatibility_hash: str
     agent_metadata: bytes  # an encoded AgentMetadata, decoded only once the hash matched
+    # What the hash covers, by name: a peer whose hash differs says which ones differ.
+    compatibility_factors: dict[str, str | int] = msgspec.field(default_factory=dict)
 
 
 class HandshakeRequest(msgspec.Struct, array_like=True):
@@ -122,25 +124,38 @@ class Notif(msgspec.Struct, array_like=True):
     num_readers: int = 1
 
 
-def compatibility_hash(
+def compatibility_factors(
     architecture: str, kv_cache: torch.Tensor, tp_size: int, transport: str
-) -> str:
+) -> dict[str, str | int]:
     """Both sides of a transfer must agree on all of these, or the bytes mean nothing.
 
     The layout is the registered cache's own (its geometry is the model's attention layers'),
     with the KV heads counted over the TP group (EngineConfig checks that TP divides them), so
     that instances of different TP sizes agree."""
     _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    factors = (
-        pdserve.__version__,
-        NIXL_CONNECTOR_VERSION,
-        KV_LAYOUT,
-        architecture,
-        str(kv_cache.dtype).removeprefix("torch."),
-        num_kv_heads * tp_size,
-        head_dim,
-        num_layers,
-        block_size,
-        transport,
+    return {
+        "pdserve_version": pdserve.__version__,
+        "connector_version": NIXL_CONNECTOR_VERSION,
+        "kv_layout": KV_LAYOUT,
+        "architecture": architecture,
+        "dtype": str(kv_cache.dtype).removeprefix("torch."),
+        "total_kv_heads": num_kv_heads * tp_size,
+        "head_dim": head_dim,
+        "num_layers": num_layers,
+        "block_size": block_size,
+        "transport": transport,
+    }
+
+
+def compatibility_hash(factors: dict[str, str | int]) -> str:
+    return hashlib.sha256(repr(tuple(factors.values())).encode()).hexdigest()[:32]
+
+
+def factor_differences(prefill: dict[str, str | int], decode: dict[str, str | int]) -> str:
+    """The factors that differ, as "name: prefill X, decode Y; ..." ("" when the prefill side
+    sent none: an older peer)."""
+    return "; ".join(
+        f"{name}: prefill {prefill[name]}, decode {value}"
+        for name, value in decode.items()
+        if name in prefill and prefill[name] != value
     )
-    return hashlib.sha256(repr(factors).encode()).hexdigest()[:32]

@@ -34,6 +34,7 @@ from pdserve.kv_connector.nixl.metadata import (
     RecvReqMeta,
     RemoteAddress,
     SaveReqMeta,
+    compatibility_factors,
     compatibility_hash,
 )
 from pdserve.kv_connector.nixl.staging import HostBuffer
@@ -51,6 +52,16 @@ logger = logging.getLogger(__name__)
 # How long a decode worker waits for its lease check (8 bytes) before leaving it to the next
 # poll: the check costs one READ round trip, not one step.
 _CHECK_WAIT_S = 0.002
+
+
+def _why(e: Exception) -> str:
+    """A failure as a client may be told it: handshake and layout errors say what differs and
+    name no address; a transport's own error (which may) only by its type."""
+    if isinstance(e, HandshakeError):
+        return e.reason
+    if isinstance(e, ValueError):
+        return str(e)
+    return f"{type(e).__name__} in the transport (this instance's log has the details)"
 
 
 @dataclass
@@ -107,6 +118,7 @@ class NixlConnectorWorker:
         self._saves: dict[str, SaveReqMeta] = {}
         self.topology: Topology | None = None
         # Of the registered cache: its layout is what the peers must agree on.
+        self.compat_factors: dict[str, str | int] = {}
         self.compat_hash: str | None = None
         self._meta = NixlConnectorMetadata()
         self._handshaker = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-handshake")
@@ -116,6 +128,7 @@ class NixlConnectorWorker:
         self._loads: dict[str, _Load] = {}
         self._done_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
+        self._load_errors: dict[str, str] = {}  # request id -> why its load failed
         self._leases: dict[str, _Lease] = {}
         self._done_sending: set[str] = set()
         # Done notifications that beat their lease: request id -> (count, when), and readers.
@@ -138,9 +151,10 @@ class NixlConnectorWorker:
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
-        self.compat_hash = compatibility_hash(
+        self.compat_factors = compatibility_factors(
             self.architecture, kv_cache, self.tp_size, self.transport_name
         )
+        self.compat_hash = compatibility_hash(self.compat_factors)
         region = kv_cache
         if self.host_staging:
             self.host_buffer = HostBuffer(kv_cache, self.host_buffer_blocks or kv_cache.shape[0])
@@ -175,7 +189,7 @@ class NixlConnectorWorker:
             0 if self.board is None else self.board.numel(),
         )
         return msgspec.msgpack.encode(
-            HandshakePayload(self.compat_hash, msgspec.msgpack.encode(meta))
+            HandshakePayload(self.compat_hash, msgspec.msgpack.encode(meta), self.compat_factors)
         )
 
     # ---- each step --------------------------------------------------------------------------
@@ -248,7 +262,13 @@ class NixlConnectorWorker:
                     )
                     del self._waiting[req_id]
                     self._rehandshaked.discard(req_id)
-                    self._fail(req_id, meta.local_block_ids, "failed_transfers")
+                    self._fail(
+                        req_id,
+                        meta.local_block_ids,
+                        "failed_transfers",
+                        f"prefill engine {engine_id} restarted (epoch {meta.remote_epoch}, now "
+                        f"{engine.epoch}): the KV it held for this request is gone",
+                    )
                     continue
                 # The instance restarted at the same address: learn it anew before reading.
                 logger.warning(
@@ -274,19 +294,24 @@ class NixlConnectorWorker:
                 self._read(req_id, meta, engine)
             except Exception as e:  # a bad descriptor, a vanished agent: this request only
                 logger.error("KV load of request %s failed to start: %s", req_id, e)
-                self._fail(req_id, meta.local_block_ids, "failed_transfers")
+                self._fail(
+                    req_id,
+                    meta.local_block_ids,
+                    "failed_transfers",
+                    f"the KV read from prefill engine {engine_id} failed to start: {_why(e)}",
+                )
 
     def _handshake(self, engine_id: str, address: RemoteAddress) -> RemoteEngine:
         assert self.topology is not None
         ranks = self.topology.remote_ranks(address.tp_size)
-        expected_hash = self.compat_hash if self.enforce_handshake_compat else None
+        expected = self.compat_factors if self.enforce_handshake_compat else None
         agents = []
         for rank in ranks:
             remote = fetch_agent_metadata(
                 address.host,
                 address.port,
                 rank,
-                expected_hash,
+                expected,
                 engine_id,
                 self.handshake_timeout,
             )
@@ -300,10 +325,10 @@ class NixlConnectorWorker:
         obstacle = self.transport.read_obstacle(remote.memory)
         if obstacle is not None:
             raise HandshakeError(
-                f"KV handshake with engine {remote.engine_id} rank {remote.tp_rank}: its KV "
-                f"memory is {remote.memory}, this instance's is {memory_kind(self.region)}, and "
-                f"the {self.transport_name} transport here cannot read {remote.memory} memory "
-                f"({obstacle})."
+                f"engine {remote.engine_id} rank {remote.tp_rank}",
+                f"its KV memory is {remote.memory}, this instance's is "
+                f"{memory_kind(self.region)}, and the {self.transport_name} transport here "
+                f"cannot read {remote.memory} memory ({obstacle})",
             )
 
     def _read(self, req_id: str, meta: RecvReqMeta, engine: RemoteEngine) -> None:
@@ -369,8 +394,10 @@ class NixlConnectorWorker:
                 logger.warning("Notification to %s failed: %s", agent, e)
                 self._count("failed_notifications")
 
-    def _fail(self, req_id: str, block_ids: list[int], counter: str) -> None:
+    def _fail(self, req_id: str, block_ids: list[int], counter: str, reason: str) -> None:
+        """`reason` travels to the request's client: short, and no address."""
         self._invalid_block_ids.update(block_ids)
+        self._load_errors[req_id] = reason
         self._done_recving.add(req_id)
         self._count(counter)
 
@@ -409,10 +436,11 @@ class NixlConnectorWorker:
             except Exception as e:  # HandshakeError, an incompatible layout, a transport error
                 logger.error("KV handshake with engine %s failed: %s", engine_id, e)
                 self._count("handshake_failures")
+                reason = f"the KV handshake with prefill engine {engine_id} failed: {_why(e)}"
                 for req_id, meta in list(self._waiting.items()):
                     if meta.remote_engine_id == engine_id:
                         del self._waiting[req_id]
-                        self._fail(req_id, meta.local_block_ids, "failed_transfers")
+                        self._fail(req_id, meta.local_block_ids, "failed_transfers", reason)
         self._start_loads()
 
     def _poll_notifications(self) -> None:
@@ -473,7 +501,13 @@ class NixlConnectorWorker:
                     req_id,
                     load.meta.remote_engine_id,
                 )
-                self._fail(req_id, load.local_block_ids, "failed_transfers")
+                self._fail(
+                    req_id,
+                    load.local_block_ids,
+                    "failed_transfers",
+                    f"the KV read from prefill engine {load.meta.remote_engine_id} failed in "
+                    "the transport",
+                )
                 continue
             if load.checks is None:
                 self._check_lease(req_id, load)
@@ -489,7 +523,13 @@ class NixlConnectorWorker:
                     load.meta.remote_engine_id,
                     slot,
                 )
-                self._fail(req_id, load.local_block_ids, "failed_transfers")
+                self._fail(
+                    req_id,
+                    load.local_block_ids,
+                    "failed_transfers",
+                    f"prefill engine {load.meta.remote_engine_id} released this request's KV "
+                    "blocks (its lease there ended) before the read was checked",
+                )
                 continue
             if load.meta.staging_block_ids:
                 assert self.host_buffer is not None
@@ -529,7 +569,13 @@ class NixlConnectorWorker:
             for handle in handles:
                 self.transport.release(handle)
             del self._loads[req_id]
-            self._fail(req_id, load.local_block_ids, "failed_transfers")
+            self._fail(
+                req_id,
+                load.local_block_ids,
+                "failed_transfers",
+                f"the lease check with prefill engine {load.meta.remote_engine_id} failed to "
+                f"start: {_why(e)}",
+            )
             return
         load.handles, load.checks = handles, checks
 
@@ -544,6 +590,10 @@ class NixlConnectorWorker:
     def take_invalid_block_ids(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()
         return invalid
+
+    def take_load_errors(self) -> dict[str, str]:
+        errors, self._load_errors = self._load_errors, {}
+        return errors
 
     def take_stats(self) -> dict[str, float]:
         stats, self._stats = self._stats, {}

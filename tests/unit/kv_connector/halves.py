@@ -122,6 +122,7 @@ class Instance:
             recving,
             worker.get_block_ids_with_load_errors(),
             worker.get_worker_stats() or None,
+            worker.get_load_errors() or None,
         )
         req_ids = list(out.num_scheduled_tokens)
         sampled = []

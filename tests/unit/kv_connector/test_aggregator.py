@@ -69,6 +69,22 @@ def test_invalid_blocks_are_joined_and_counters_summed() -> None:
     assert kv.stats == {"transfers": 2.0, "transfer_bytes": 512.0, "failed_transfers": 1.0}
 
 
+def test_a_load_that_failed_on_several_ranks_has_one_reason() -> None:
+    """One reason per request, the lowest rank's: the client gets one message."""
+    agg = KVOutputAggregator(world_size=2)
+    first, second = rank_output(invalid={3}), rank_output(invalid={3, 4})
+    first.kv_connector_output.load_errors = {"a": "rank 0 refused"}  # type: ignore[union-attr]
+    second.kv_connector_output.load_errors = {  # type: ignore[union-attr]
+        "a": "rank 1 refused",
+        "b": "rank 1 read failed",
+    }
+    kv = agg.aggregate([first, second], output_rank=0).kv_connector_output
+    assert kv is not None and not kv.is_empty()
+    assert kv.load_errors == {"a": "rank 0 refused", "b": "rank 1 read failed"}
+    kv = agg.aggregate([rank_output(), rank_output()], output_rank=0).kv_connector_output
+    assert kv is not None and kv.load_errors is None
+
+
 def test_the_output_ranks_tokens_with_the_merged_news() -> None:
     """The sampled tokens are the output rank's (the last pipeline stage); a rank without a
     connector output reports nothing."""

@@ -33,10 +33,15 @@ def test_fail_policy_ends_the_request_with_an_error(model: str, with_recv_done: 
     (output,) = scheduler.update_from_output(
         out,
         create_model_runner_output(
-            [], finished_recving=recv_done, invalid_block_ids={blocks[1].block_id}
+            [],
+            finished_recving=recv_done,
+            invalid_block_ids={blocks[1].block_id},
+            load_errors={req_id: "the KV read from prefill engine e failed in the transport"},
         ),
     )
     assert output.request_id == req_id and output.finish_reason == FinishReason.ERROR
+    # The connector's reason is the client's.
+    assert output.error == "the KV read from prefill engine e failed in the transport"
     assert request.status == RequestStatus.FINISHED_ERROR
     assert not scheduler.has_unfinished_requests()
     if not with_recv_done:

@@ -299,3 +299,7 @@ def test_tp_layout_that_cannot_pair_fails_at_the_handshake(
     assert d.take_invalid_block_ids() == {1}
     assert d.take_stats() == {"handshake_failures": 1, "failed_transfers": 1}
     assert "decode TP 2 does not divide prefill TP 3" in caplog.text
+    assert d.take_load_errors() == {
+        "d-1": "the KV handshake with prefill engine prefill failed: decode TP 2 does not "
+        "divide prefill TP 3"
+    }

@@ -293,6 +293,11 @@ def test_handshake_failure_fails_that_engines_requests(
     )
     Finished(p, d).until(sending=("p-3",), recving=("d-1", "d-2", "d-3"))
     assert d.take_invalid_block_ids() == {1, 2, 3}
+    why = (
+        "the KV handshake with prefill engine gone failed: the instance there is engine "
+        "prefill, not gone (restarted?)"
+    )
+    assert d.take_load_errors() == {"d-1": why, "d-2": why}
     stats = d.take_stats()
     assert (stats["handshake_failures"], stats["failed_transfers"], stats["transfers"]) == (1, 2, 1)
     assert torch.equal(d.kv_cache[4], p.kv_cache[5])
@@ -313,6 +318,13 @@ def test_incompatible_cache_fails_the_handshake(
     assert d.take_invalid_block_ids() == {1}
     assert d.take_stats() == {"handshake_failures": 1, "failed_transfers": 1}
     assert "compatibility hash mismatch" in caplog.text
+    # The request's reason names what differs, and no address.
+    (why,) = d.take_load_errors().values()
+    assert why.endswith(
+        f"compatibility hash mismatch (prefill {p.compat_hash}, decode {d.compat_hash}): "
+        "dtype: prefill float32, decode float16"
+    )
+    assert "127.0.0.1" not in why
 
 
 @transports

@@ -101,6 +101,7 @@ def create_model_runner_output(
     finished_sending: set[str] | None = None,
     finished_recving: set[str] | None = None,
     invalid_block_ids: set[int] | None = None,
+    load_errors: dict[str, str] | None = None,
     use_eos: bool = False,
     token_id: int = 0,
 ) -> ModelRunnerOutput:
@@ -112,6 +113,7 @@ def create_model_runner_output(
             finished_sending=finished_sending,
             finished_recving=finished_recving,
             invalid_block_ids=invalid_block_ids or set(),
+            load_errors=load_errors,
         )
     return ModelRunnerOutput(
         req_ids=req_ids,
