@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.scheduler.scheduler import SchedulerStats
+from pdserve.scheduler.stats import PromptTokenSources
 
 if TYPE_CHECKING:
     from pdserve.engine.output_processor import RequestUpdate
@@ -85,6 +86,17 @@ class EngineMetrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
+        self._prompt_tokens_by_source = Counter(
+            "pdserve:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from: computed here, found in the local prefix "
+            "cache, loaded from a prefill instance (counted at each request's first admission).",
+            [*names, "source"],
+            registry=self.registry,
+        )
+        self.prompt_tokens_by_source = {
+            source: self._prompt_tokens_by_source.labels(**labels, source=source)
+            for source in PromptTokenSources.__struct_fields__
+        }
         self.ttft = histogram("time_to_first_token_seconds", "Time to the first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
@@ -137,6 +149,12 @@ class EngineMetrics:
         ):
             if now > before:
                 counter.inc(now - before)
+        sources = stats.prompt_tokens_by_source
+        sources_before = last.prompt_tokens_by_source if last else PromptTokenSources()
+        for source, counter in self.prompt_tokens_by_source.items():
+            delta = getattr(sources, source) - getattr(sources_before, source)
+            if delta > 0:
+                counter.inc(delta)
         self._last_stats = stats
 
     def record_kv_connector_stats(self, stats: dict[str, float]) -> None:

@@ -79,8 +79,14 @@ class Request:
         # Tokens that steps in flight at a preemption will still sample: the request resumes
         # from the tokens known then, so these are dropped when they arrive.
         self.num_async_tokens_to_discard = 0
-        # Prompt tokens served from the prefix cache at first admission (usage reporting).
+        # Set at first admission (scheduler/admission.py): prompt tokens a prefix cache served,
+        # here or on the instance that computed the KV it loaded (usage's cached_tokens).
         self.num_cached_tokens = -1
+        # Its local prefix-cache hits at its first allocation (a parked load is admitted later),
+        # and, set by a KV connector, how many of the loaded prompt's leading tokens the peer
+        # found in its own prefix cache.
+        self.num_local_cached_tokens = 0
+        self.num_remote_cached_tokens = 0
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens
         # Plain attributes, not properties: the scheduler reads them for every request and

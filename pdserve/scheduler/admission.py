@@ -12,6 +12,7 @@ from pdserve.request import Request, RequestStatus
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.remote_kv import RemoteKVRequests
 from pdserve.scheduler.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from pdserve.scheduler.stats import PromptTokenSources
 
 
 class Admissions(NamedTuple):
@@ -37,6 +38,7 @@ class WaitingAdmission:
         self.connector = connector
         self.policy = policy
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.prompt_token_sources = PromptTokenSources()  # cumulative
 
     def admit(
         self,
@@ -98,6 +100,8 @@ class WaitingAdmission:
                 )
             queue.pop_request()
             reserved_blocks += reservation_change
+            if num_local_computed and request.num_cached_tokens < 0:
+                request.num_local_cached_tokens = num_local_computed
             if load_kv_async:
                 # Parked until the worker reports the transfer done; counted as computed now.
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -115,9 +119,29 @@ class WaitingAdmission:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed_tokens
+                self._count_prompt_tokens(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
         if step_skipped:
             remote_kv.park(step_skipped)
         return Admissions(admitted, new_reqs, resumed_reqs, token_budget)
+
+    def _count_prompt_tokens(self, request: Request) -> None:
+        """At its first admission: where the request's prompt KV comes from, and how much of it
+        a prefix cache served (docs/kv_connector.md, "Cached tokens").
+
+        Of the prompt, `[0, num_local)` are local prefix-cache hits, `[num_local, num_found)`
+        were loaded from a peer, the rest is computed here. The peer's own hits are a prefix
+        `[0, num_remote_cached_tokens)` too: the loaded tokens below it were cached there, those
+        above it computed for this request. So the cached tokens are the union of the two
+        prefixes within what was found, each token counted once."""
+        num_prompt = request.num_prompt_tokens
+        # Only the prompt counts (a shipped first token may follow it).
+        num_found = min(request.num_computed_tokens, num_prompt)
+        num_local = min(request.num_local_cached_tokens, num_found)
+        num_remote_cached = min(request.num_remote_cached_tokens, num_found)
+        request.num_cached_tokens = max(num_local, num_remote_cached)
+        sources = self.prompt_token_sources
+        sources.local_compute += num_prompt - num_found
+        sources.local_cache_hit += num_local
+        sources.external_kv_transfer += num_found - num_local

@@ -362,6 +362,8 @@ class Scheduler:
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             num_blocks=self.kv_cache_manager.block_pool.num_blocks,
+            # A snapshot: the admission goes on counting into its own.
+            prompt_tokens_by_source=msgspec.structs.replace(self.admission.prompt_token_sources),
         )
 
     def reset_prefix_cache(self) -> bool:

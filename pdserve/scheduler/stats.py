@@ -5,6 +5,15 @@ from __future__ import annotations
 import msgspec
 
 
+class PromptTokenSources(msgspec.Struct, array_like=True):
+    """Prompt tokens of admitted requests by where their KV came from, counted once per request
+    at its first admission (vLLM's prompt_tokens_by_source); the three add up to the prompts."""
+
+    local_compute: int = 0  # computed by this instance
+    local_cache_hit: int = 0  # found in its prefix cache
+    external_kv_transfer: int = 0  # loaded from a peer (a prefill instance)
+
+
 class SchedulerStats(msgspec.Struct, array_like=True):
     num_running_reqs: int
     num_waiting_reqs: int
@@ -15,3 +24,4 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # Free blocks == num_blocks - 1 (the null block) means nothing is held: tests assert it.
     num_free_blocks: int
     num_blocks: int
+    prompt_tokens_by_source: PromptTokenSources = msgspec.field(default_factory=PromptTokenSources)
