@@ -123,6 +123,48 @@ def test_chat_streaming_and_not(server: RemoteServer, model: str) -> None:
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def test_usage_reports_cached_tokens(server: RemoteServer, model: str) -> None:
+    """pd_lessons 17 on one instance: a repeated prompt's full blocks (16 tokens each, the last
+    token always computed) are its cached_tokens, streamed or not, completion or chat; the
+    instance's prompt_tokens_by_source add up to the prompts, its cache hits to those."""
+    client = server.client()
+    before = {s: server.metric("prompt_tokens_by_source_total", source=s) for s in SOURCES}
+    prompt = [(i * 7) % 300 + 10 for i in range(40)]
+    args = {"model": model, "max_tokens": 2, "temperature": 0}
+    usages = [client.completions.create(prompt=prompt, **args).usage for _ in range(2)]
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, 32]
+    chunks = list(
+        client.completions.create(
+            prompt=prompt, stream=True, stream_options={"include_usage": True}, **args
+        )
+    )
+    usages.append(chunks[-1].usage)
+    batch = client.completions.create(prompt=[prompt, [5] * 20], **args).usage
+    usages.append(batch)
+    assert [u.prompt_tokens_details.cached_tokens for u in usages[2:]] == [32, 32]
+    messages = [{"role": "user", "content": "tell me " * 12}]
+    chat = [client.chat.completions.create(messages=messages, **args).usage for _ in range(2)]
+    streamed = list(
+        client.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **args
+        )
+    )
+    chat.append(streamed[-1].usage)
+    full_blocks = (chat[0].prompt_tokens - 1) // 16 * 16
+    assert full_blocks >= 16
+    assert [u.prompt_tokens_details.cached_tokens for u in chat] == [0, full_blocks, full_blocks]
+    usages += chat
+    delta = {
+        s: server.metric("prompt_tokens_by_source_total", source=s) - before[s] for s in SOURCES
+    }
+    assert sum(delta.values()) == sum(u.prompt_tokens for u in usages)
+    assert delta["local_cache_hit"] == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert delta["external_kv_transfer"] == 0
+
+
 def test_n_logprobs_and_seed(server: RemoteServer, model: str) -> None:
     client = server.client()
     resp = client.completions.create(

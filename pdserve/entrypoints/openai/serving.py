@@ -392,13 +392,20 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def usage(outputs: Any) -> dict[str, int]:
+def usage(outputs: Any) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return _usage(prompt, completion, sum(o.num_cached_tokens for o in outputs))
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage; `cached` is the prompt tokens a prefix cache served (vLLM fills the
+    details only with --enable-prompt-tokens-details, pdserve always)."""
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -407,19 +414,16 @@ class _UsageCounter:
 
     def __init__(self) -> None:
         self.prompt: dict[int, int] = {}  # prompt index -> its tokens
+        self.cached: dict[int, int] = {}  # prompt index -> its cached tokens
         self.completion = 0
 
     def add(self, i: int, out: RequestOutput) -> None:
         self.prompt[i] = len(out.prompt_token_ids)
+        self.cached[i] = out.num_cached_tokens
         self.completion += sum(len(c.token_ids) for c in out.outputs)
 
-    def usage(self) -> dict[str, int]:
-        prompt = sum(self.prompt.values())
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.completion,
-            "total_tokens": prompt + self.completion,
-        }
+    def usage(self) -> dict[str, Any]:
+        return _usage(sum(self.prompt.values()), self.completion, sum(self.cached.values()))
 
 
 def _first_kv_params(outputs: Any) -> dict | None:
