@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from pdserve.engine.messages import EngineCoreOutputs
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.metrics import EngineMetrics
 from pdserve.models import loader
-from pdserve.outputs import RequestOutput, RequestOutputKind
+from pdserve.outputs import EngineCoreOutput, RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.scheduler import SchedulerStats
 
@@ -88,11 +89,17 @@ class AsyncLLM:
         finished = False
         try:
             for child_id, child_params in children:
-                self.client.add_request(
-                    self.input_processor.make_request(
-                        child_id, token_ids, child_params, kv_transfer_params
-                    )
+                request = self.input_processor.make_request(
+                    child_id, token_ids, child_params, kv_transfer_params
                 )
+                self.client.add_request(request)
+                if request.output_token_ids:
+                    # Shipped by the prefill instance: the client has it now, not after the load.
+                    self._on_outputs(
+                        EngineCoreOutputs(
+                            time.time(), [EngineCoreOutput(child_id, request.output_token_ids)]
+                        )
+                    )
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

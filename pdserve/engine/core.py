@@ -62,7 +62,9 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         mc = self.config.model_config
-        check_prompt(request.prompt_token_ids, mc.vocab_size, mc.max_model_len)
+        check_prompt(
+            request.prompt_token_ids + request.output_token_ids, mc.vocab_size, mc.max_model_len
+        )
         self.scheduler.add_request(request.to_request())
 
     def abort_requests(

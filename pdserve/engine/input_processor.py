@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pdserve.config import EngineConfig
 from pdserve.engine.messages import EngineCoreRequest
+from pdserve.kv_connector.first_token import shipped_first_token
 from pdserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]  # a string, or {"prompt_token_ids": [...]}
@@ -80,6 +81,17 @@ class InputProcessor:
             params = msgspec.structs.replace(
                 params, stop_token_ids=list(dict.fromkeys((params.stop_token_ids or []) + extra))
             )
+        first = shipped_first_token(
+            kv_transfer_params,
+            params,
+            [*self.eos_token_ids, *(params.stop_token_ids or [])],
+            len(token_ids),
+            self.max_model_len,
+        )
+        if first is not None and not 0 <= first < self.vocab_size:
+            raise ValueError(
+                f"kv_transfer_params.first_token_id must be in [0, {self.vocab_size})."
+            )
         return EngineCoreRequest(
             request_id,
             token_ids,
@@ -87,4 +99,5 @@ class InputProcessor:
             primary_eos,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             kv_transfer_params=kv_transfer_params,
+            output_token_ids=[] if first is None else [first],
         )

@@ -31,9 +31,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     kv_transfer_params: dict[str, Any] | None = None
     priority: int = 0
+    # Generated elsewhere (the token a prefill instance sampled): the request continues after
+    # them, and their outputs are not sent again.
+    output_token_ids: list[int] = []
 
     def to_request(self) -> Request:
-        return Request(
+        request = Request(
             self.request_id,
             self.prompt_token_ids,
             self.sampling_params,
@@ -42,6 +45,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
             priority=self.priority,
             kv_transfer_params=self.kv_transfer_params,
         )
+        if self.output_token_ids:
+            request.append_output_token_ids(self.output_token_ids)
+        return request
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

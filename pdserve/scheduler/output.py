@@ -14,7 +14,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
 
     `block_ids` is the request's whole block table (one KV cache group). `num_computed_tokens`
     is taken before the scheduler advances it for this step: the prefix-cache hit length.
-    `prefill_token_ids` is only filled for runner V2: prompt + tokens generated so far.
+    `prefill_token_ids`: prompt + tokens generated so far, always for runner V2; for runner V1
+    only when a new request continues from a token another instance sampled.
     """
 
     req_id: str

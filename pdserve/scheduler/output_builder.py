@@ -42,8 +42,15 @@ def build_scheduler_output(
         ]
         resumed_reqs = []
     else:
+        # A new request with tokens past its prompt continues from a token another instance
+        # sampled (kv_connector/first_token.py): runner V1 needs those too.
         new_reqs_data = [
-            NewRequestData.from_request(r, get_block_ids(r.request_id)) for r in step.new_reqs
+            NewRequestData.from_request(
+                r,
+                get_block_ids(r.request_id),
+                r.all_token_ids.copy() if r.num_tokens > r.num_prompt_tokens else None,
+            )
+            for r in step.new_reqs
         ]
 
     # Struct of lists, built with comprehensions: this runs for every running request.

@@ -76,7 +76,9 @@ def test_staged_split_matches_reference(
                 pool.map(lambda q: split_request(p, d, greedy_body(model, q, MAX_TOKENS)), PROMPTS)
             )
         assert [r.json()["choices"][0]["token_ids"] for r in resps] == reference
-        assert d.metric("kv_transfers_total") == 2 * len(PROMPTS)
+        # The second two-block prompt finds both blocks in the decode side's prefix cache (with
+        # the shipped first token after them, a whole prompt may be a hit): it reads nothing.
+        assert d.metric("kv_transfers_total") == 2 * len(PROMPTS) - 1
         for server in servers:
             _wait_all_free(server)
         assert p.metric("kv_expired_leases_total") == 0

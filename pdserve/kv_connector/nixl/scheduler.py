@@ -39,7 +39,9 @@ _REMOTE_FIELDS = (
 
 
 # A prefill request that ends so is read; any other ending (an abort) is not.
-_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+# Only a request that ran out of tokens (the proxy's max_tokens=1 hop) has a decode leg to come:
+# one the first token stopped (EOS, a stop token) is complete, and its blocks free at once.
+_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED,)
 
 
 def _has_remote_fields(params: dict[str, Any]) -> bool:
@@ -359,6 +361,10 @@ class NixlConnectorScheduler:
             "remote_lease": None
             if stamp is None
             else {"slot": stamp.slot, "tag": stamp.tag, "seconds": self.lease_duration},
+            # The token this instance sampled: the decode side continues from it.
+            "first_token_id": request.all_token_ids[request.num_prompt_tokens]
+            if request.num_tokens > request.num_prompt_tokens
+            else None,
         }
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

@@ -39,6 +39,8 @@ class ModelRunnerV1(ModelRunnerBase):
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
             )
+            if new.prefill_token_ids is not None:
+                state.output_token_ids = new.prefill_token_ids[len(new.prompt_token_ids) :]
             self.requests[new.req_id] = state
             batch.add_request(state)
 

@@ -68,6 +68,7 @@ def test_basic_lifecycle(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
         "remote_num_tokens": request.num_prompt_tokens,
         "remote_epoch": scheduler.connector.scheduler.epoch,
         "remote_lease": {"slot": stamp.slot, "tag": stamp.tag, "seconds": lease},
+        "first_token_id": request.output_token_ids[0],
     }
     # Finished, but its blocks wait for the reader.
     assert req_id in scheduler.finished_req_ids and not scheduler.has_unfinished_requests()
