@@ -308,6 +308,11 @@ BAD_REQUESTS = [
         {"prompt": "hi", "kv_transfer_params": {"remote_block_ids": [1, "x"]}},
         "kv_transfer_params",
     ),
+    (
+        "kv_transfer_params bad cached tokens",
+        {"prompt": "hi", "kv_transfer_params": {"remote_cached_tokens": "32"}},
+        "kv_transfer_params",
+    ),
     ("empty messages", {"messages": []}, "messages"),
 ]
 

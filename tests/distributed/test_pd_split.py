@@ -7,9 +7,11 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.utils.pd import split_request, start_instance
+from tests.utils.pd import greedy_body, prefill, split_request, start_instance
+from tests.utils.server import RemoteServer
 from tests.utils.tiny_models import hf_greedy
 
 MAX_TOKENS = 12
@@ -138,5 +140,75 @@ def test_chat_and_streaming_through_split(tiny_model: Callable[[str], str], endp
         assert joined == expected
         for server in (p, d):
             server.wait_pool_full(timeout=30)
+    finally:
+        assert p.stop() == [] and d.stop() == []
+
+
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def test_cached_tokens_through_split(tiny_model: Callable[[str], str]) -> None:
+    """pd_lessons 17: the client of a split sees the prefill instance's prefix-cache hits and
+    the decode instance's local ones, a token hit on both counted once; each instance's
+    prompt_tokens_by_source add up to its prompts (40-token prompts: two full blocks)."""
+    model = tiny_model("llama")
+    p = start_instance(model, "kv_producer")
+    d = start_instance(model, "kv_consumer")
+    try:
+        before = {
+            server: {s: server.metric("prompt_tokens_by_source_total", source=s) for s in SOURCES}
+            for server in (p, d)
+        }
+        prompts = {n: [(i * 11 + k) % 300 + 10 for i in range(40)] for k, n in enumerate("abce")}
+        num_prompt_tokens = {p: 0, d: 0}
+
+        def hop(name: str) -> dict:
+            body = greedy_body(model, prompts[name], 4)
+            num_prompt_tokens[p] += 40
+            num_prompt_tokens[d] += 40
+            return {**body, "kv_transfer_params": prefill(p, body)}
+
+        def split(name: str) -> int:
+            resp = httpx.post(f"{d.url}/v1/completions", json=hop(name), timeout=120)
+            assert resp.status_code == 200, resp.text
+            return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        def direct(server: RemoteServer, name: str) -> None:
+            body = greedy_body(model, prompts[name], 2)
+            resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+            assert resp.status_code == 200, resp.text
+            num_prompt_tokens[server] += 40
+
+        assert split("a") == 0  # nothing cached anywhere
+        assert split("a") == 32  # both instances hit the same two blocks: 32, not 64
+        direct(p, "b")
+        assert split("b") == 32  # only the prefill instance holds b: its hits reach the client
+        direct(d, "c")
+        assert split("c") == 32  # only the decode instance holds c
+        # Streamed, the usage chunk says the same (only the prefill instance holds e).
+        direct(p, "e")
+        body = hop("e")
+        params, ignore_eos = body.pop("kv_transfer_params"), body.pop("ignore_eos")
+        assert params["remote_cached_tokens"] == 32
+        chunks = list(
+            d.client().completions.create(
+                **body,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"kv_transfer_params": params, "ignore_eos": ignore_eos},
+            )
+        )
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+
+        # The prefill instance's own hits: a, b and e again; the decode instance's: a, then c.
+        for server, local_hits in ((p, 3 * 32), (d, 2 * 32)):
+            server.wait_pool_full(timeout=30)
+            delta = {
+                s: server.metric("prompt_tokens_by_source_total", source=s) - before[server][s]
+                for s in SOURCES
+            }
+            assert sum(delta.values()) == num_prompt_tokens[server]
+            assert delta["local_cache_hit"] == local_hits
+        assert delta["external_kv_transfer"] > 0
     finally:
         assert p.stop() == [] and d.stop() == []

@@ -22,6 +22,7 @@ KV_TRANSFER_PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "remote_port": (int,),
     "tp_size": (int,),
     "remote_num_tokens": (int,),
+    "remote_cached_tokens": (int,),
     "first_token_id": (int,),
 }
 

@@ -277,6 +277,11 @@ class NixlConnectorScheduler:
             )
             self._await(request.request_id, params)
             self._reading.add(request.request_id)
+            # The prefill instance's own prefix-cache hits: the client's cached tokens count
+            # those of the tokens read here (scheduler/admission.py).
+            cached = params.get("remote_cached_tokens")
+            if isinstance(cached, int) and not isinstance(cached, bool) and cached > 0:
+                request.num_remote_cached_tokens = cached
         # One transfer per request, also after a preemption.
         params["do_remote_prefill"] = False
 
@@ -357,6 +362,7 @@ class NixlConnectorScheduler:
             "remote_port": self.server.port if self.server else self.side_channel_port,
             "tp_size": self.tp_size,
             "remote_num_tokens": request.num_computed_tokens,
+            "remote_cached_tokens": max(request.num_cached_tokens, 0),
             "remote_epoch": self.epoch,
             "remote_lease": None
             if stamp is None

@@ -66,6 +66,7 @@ def test_basic_lifecycle(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
         "remote_port": envs.side_channel_port(),
         "tp_size": 1,
         "remote_num_tokens": request.num_prompt_tokens,
+        "remote_cached_tokens": 0,
         "remote_epoch": scheduler.connector.scheduler.epoch,
         "remote_lease": {"slot": stamp.slot, "tag": stamp.tag, "seconds": lease},
         "first_token_id": request.output_token_ids[0],
