@@ -5,6 +5,7 @@ distinct prompts of --prompt-len token ids (no prefix is shared), streaming, --m
 tokens, one request at a time after --warmup requests:
 - single: `pdserve serve`, the client's first token;
 - proxy: `pdserve launch` (1 prefill, 1 decode, the proxy), the client's first token;
+  with the medians of the parts its Server-Timing header gives;
 - by hand: the prefill instance of that launch (its one-token hop, timed), then the decode
   instance with the returned kv_transfer_params, streaming: its first token after its request
   was sent (the shipped token: it waits for no transfer).
@@ -52,12 +53,28 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def _server_timing(header: str) -> dict[str, float]:
+    """{name: ms} of a Server-Timing header."""
+    parts = {}
+    for entry in filter(None, (e.strip() for e in header.split(","))):
+        name, *params = entry.split(";")
+        durations = [p.split("=", 1)[1] for p in params if p.strip().startswith("dur=")]
+        if durations:
+            parts[name] = float(durations[0])
+    return parts
+
+
+TIMINGS: list[dict[str, float]] = []  # the proxy's Server-Timing of each request
+
+
 def _first_token_ms(url: str, body: dict[str, Any]) -> float:
     """Milliseconds from sending a streaming request to its first chunk with a token; the rest
     is read too, so that the next request runs alone."""
     start, first = time.perf_counter(), None
     with CLIENT.stream("POST", f"{url}/v1/completions", json=body) as resp:
         resp.raise_for_status()
+        if "server-timing" in resp.headers:
+            TIMINGS.append(_server_timing(resp.headers["server-timing"]))
         for line in resp.iter_lines():
             if first is not None or not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -133,6 +150,8 @@ def main() -> None:
             model = _served_model(url)
             times = [_first_token_ms(url, _body(model, p, args.max_tokens)) for p in prompts]
             results["single" if command == "serve" else "proxy"] = times[args.warmup :]
+            for name in TIMINGS[0] if command == "launch" else ():
+                results[f"  Server-Timing {name}"] = [t[name] for t in TIMINGS[args.warmup :]]
             if command == "launch":
                 health = CLIENT.get(f"{url}/health").json()
                 prefill, decode = health["prefill"][0]["url"], health["decode"][0]["url"]

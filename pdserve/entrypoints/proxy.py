@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,13 +31,26 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 
 from pdserve.entrypoints.openai.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_INTERVAL_S = 2.0
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_TIMING_DESC = {
+    # No commas: they separate the header's entries.
+    "prefill_leg": "prefill instance: the one-token hop",
+    "decode_first_byte": "decode instance: its first token (or whole response)",
+    "proxy": "proxy",
+}
 # Health checks in a row that may time out before an instance is marked down: a loaded instance
 # answers late (or its accept queue overflows under a burst and the kernel drops SYNs, retried
 # after 1 s and 3 s), which is not a dead one.
@@ -172,6 +186,17 @@ def build_proxy_app(
         ["path", "reason"],
         registry=registry,
     )
+    # The parts of a request's time to its first byte, as its Server-Timing header gives them.
+    timing_parts = {
+        name: Histogram(
+            f"pdserve:pd_{name}_seconds", doc, buckets=_LATENCY_BUCKETS, registry=registry
+        )
+        for name, doc in (
+            ("proxy", "The proxy's own part of a request's time to its first byte."),
+            ("prefill_leg", "The prefill instance's one-token hop, round trip."),
+            ("decode_first_byte", "From the decode hop sent to its first byte back."),
+        )
+    }
 
     async def health_loop() -> None:
         while True:
@@ -196,6 +221,7 @@ def build_proxy_app(
         return JSONResponse(e.body(), status_code=e.status)
 
     async def handle(request: Request, endpoint: str) -> Response:
+        arrival = time.perf_counter()
         try:
             body = json.loads(await request.body())
         except ValueError as e:
@@ -212,7 +238,7 @@ def build_proxy_app(
         in_flight.add(request_id)
         relaying = False
         try:
-            response = await split(request, request_id, body, endpoint)
+            response = await split(request, request_id, body, endpoint, arrival)
             relaying = isinstance(response, StreamingResponse)
             return response
         finally:
@@ -252,14 +278,16 @@ def build_proxy_app(
         return PrefillLeg(instance, params)
 
     async def split(
-        request: Request, request_id: str, body: dict[str, Any], endpoint: str
+        request: Request, request_id: str, body: dict[str, Any], endpoint: str, arrival: float
     ) -> Response:
         """Both hops of one request; a stream's id stays in flight until its relay ends."""
         headers = {"X-Request-Id": request_id}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
 
+        prefill_start = time.perf_counter()
         leg = await prefill_leg(body, endpoint, headers)
+        prefill_s = time.perf_counter() - prefill_start
         requests_by_path.labels(leg.path, leg.reason or "none").inc()
         if leg.reason is not None:
             logger.info("Request %s served locally (%s): %s", request_id, leg.reason, leg.detail)
@@ -285,6 +313,7 @@ def build_proxy_app(
         upstream = decode_instance.client.build_request(
             "POST", f"/v1/{endpoint}", json=body, headers=headers
         )
+        decode_start = time.perf_counter()
         try:
             answer = await decode_instance.client.send(upstream, stream=True)
         except httpx.HTTPError as e:
@@ -293,15 +322,39 @@ def build_proxy_app(
             await answer.aread()
             await answer.aclose()
             raise _forwarded_error(decode_instance, answer)
-        if not body.get("stream"):
-            content = await answer.aread()
+        streaming = bool(body.get("stream"))
+        chunks = answer.aiter_raw()
+        try:
+            # A stream's first chunk (the first token) before the headers, so that they can say
+            # how long it took: the client's first token follows them at once.
+            first = await anext(chunks, b"") if streaming else await answer.aread()
+        except BaseException as e:  # the client gone too: closing aborts the decode request
             await answer.aclose()
-            return Response(content, media_type="application/json", headers=out_headers)
+            if isinstance(e, httpx.HTTPError):
+                raise _upstream_error(decode_instance, e) from None
+            raise
+        first_byte = time.perf_counter()
+        decode_s = first_byte - decode_start
+        parts = {
+            "prefill_leg": prefill_s,
+            "decode_first_byte": decode_s,
+            "proxy": first_byte - arrival - prefill_s - decode_s,
+        }
+        for name, seconds in parts.items():
+            timing_parts[name].observe(seconds)
+        out_headers["Server-Timing"] = ", ".join(
+            f'{name};dur={seconds * 1000:.2f};desc="{_TIMING_DESC[name]}"'
+            for name, seconds in parts.items()
+        )
+        if not streaming:
+            await answer.aclose()
+            return Response(first, media_type="application/json", headers=out_headers)
 
         async def relay() -> AsyncIterator[bytes]:
             # Cancelled when the client goes away: closing the upstream aborts the decode request.
             try:
-                async for chunk in answer.aiter_raw():
+                yield first
+                async for chunk in chunks:
                     yield chunk
             except httpx.HTTPError as e:
                 yield f"data: {json.dumps(_upstream_error(decode_instance, e).body())}\n\n".encode()

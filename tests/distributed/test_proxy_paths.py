@@ -7,14 +7,17 @@ instance that cannot hand KV over), real `pdserve proxy` processes, the official
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from pdserve.utils import get_open_port
-from tests.utils.pd import start_instance
+from tests.utils.pd import greedy_body, start_instance
 from tests.utils.server import RemoteServer
 from tests.utils.tiny_models import hf_greedy
 
@@ -103,4 +106,30 @@ def test_strict_pd_refuses_the_local_path(servers: dict[str, RemoteServer], mode
         message = e.value.body["message"]
         assert "no-kv-transfer-params" in message and "--strict-pd" in message, message
         assert _counted(proxy, "local", "no-kv-transfer-params") == 1
+        assert proxy.stop() == []
+
+
+def test_server_timing_says_where_the_first_token_went(
+    servers: dict[str, RemoteServer], model: str, reference: list[int]
+) -> None:
+    """Its parts lie within the client's wait for the first token (how close they come to it
+    is benchmarks/pd_ttft.py's to show); the proxy's /metrics keeps them as histograms."""
+    with _proxy(servers["prefill"].url.removeprefix("http://"), servers["decode"]) as proxy:
+        body = {**greedy_body(model, PROMPT, MAX_TOKENS), "stream": True}
+        start = time.perf_counter()
+        with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            waited_ms = (time.perf_counter() - start) * 1000
+            rest = [line for line in lines if line.startswith("data: ")]
+        chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == reference
+        parts = {}
+        for entry in resp.headers["Server-Timing"].split(", "):
+            name, dur, desc = entry.split(";")
+            assert desc.startswith('desc="')
+            parts[name] = float(dur.removeprefix("dur="))
+        assert set(parts) == {"proxy", "prefill_leg", "decode_first_byte"}
+        assert all(ms >= 0 for ms in parts.values()) and sum(parts.values()) <= waited_ms
+        assert proxy.metric("pd_prefill_leg_seconds_count") == 1
         assert proxy.stop() == []
