@@ -104,6 +104,31 @@ def test_chat_through_proxy_matches_reference(
     wait_all_pools_full(deployment)
 
 
+def test_cached_tokens_through_proxy(deployment: RemoteServer) -> None:
+    """pd_lessons 17 through `pdserve launch`: the client sees the prefix-cache hits of the
+    split (40-token prompts: two full blocks), streamed or not."""
+    model = deployment.client().models.list().data[0].id
+    client = deployment.client()
+    args = {"model": model, "max_tokens": 3, "temperature": 0}
+    first, again = ([(i * 13 + k) % 300 + 10 for i in range(40)] for k in (0, 1))
+    cached = [
+        client.completions.create(prompt=first, **args).usage.prompt_tokens_details.cached_tokens
+        for _ in range(2)
+    ]
+    assert cached == [0, 32]
+    # Only the prefill instance holds `again`: what the decode instance reports includes its hits.
+    prefill_url = instances(deployment)["prefill"][0].url
+    resp = httpx.post(f"{prefill_url}/v1/completions", json={**args, "prompt": again}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    chunks = list(
+        client.completions.create(
+            prompt=again, stream=True, stream_options={"include_usage": True}, **args
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+    wait_all_pools_full(deployment)
+
+
 def test_proxy_health_models_and_request_id(deployment: RemoteServer) -> None:
     health = httpx.get(f"{deployment.url}/health").json()
     assert health["status"] == "ok" and len(health["prefill"]) == 1 and len(health["decode"]) == 1
