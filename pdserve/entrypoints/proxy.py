@@ -150,15 +150,39 @@ class PrefillLeg:
     params: dict[str, Any] | None = None
     reason: str | None = None  # set when the path is local
     detail: str = ""
+    # The prefill instance's answer when it is the whole of it: the client asked for one
+    # token, or the first token stopped the request. No decode leg follows.
+    answer: dict[str, Any] | None = None
 
     @property
     def path(self) -> str:
+        if self.answer is not None:
+            return "prefill-only"
         return "remote" if self.reason is None else "local"
 
     @property
     def header(self) -> str:
         """X-PD-Path's value."""
         return self.path if self.reason is None else f"local; reason={self.reason}"
+
+
+def _as_stream(answer: dict[str, Any], endpoint: str, include_usage: bool) -> list[str]:
+    """A whole answer as the SSE events a stream of it would have been."""
+    head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
+    events = []
+    if endpoint == "completions":
+        events.append({**head, "object": "text_completion", "choices": answer["choices"]})
+    else:
+        head["object"] = "chat.completion.chunk"
+        for c in answer["choices"]:
+            role = {"index": c["index"], "delta": {"role": "assistant", "content": ""}}
+            events.append({**head, "choices": [{**role, "finish_reason": None}]})
+            delta = {"content": (c.get("message") or {}).get("content") or ""}
+            rest = {k: v for k, v in c.items() if k not in ("message", "index")}
+            events.append({**head, "choices": [{"index": c["index"], "delta": delta, **rest}]})
+    if include_usage and "usage" in answer:
+        events.append({**head, "choices": [], "usage": answer["usage"]})
+    return [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
 
 
 def _forwarded_error(instance: Instance, resp: httpx.Response) -> OpenAIError:
@@ -245,19 +269,28 @@ def build_proxy_app(
             if not relaying:  # a stream's relay lets the id go when it ends
                 in_flight.discard(request_id)
 
+    def _server_timing(parts: dict[str, float]) -> str:
+        """The header's value; each part is also observed in its histogram."""
+        for name, seconds in parts.items():
+            timing_parts[name].observe(seconds)
+        return ", ".join(
+            f'{name};dur={seconds * 1000:.2f};desc="{_TIMING_DESC[name]}"'
+            for name, seconds in parts.items()
+        )
+
     async def prefill_leg(
         body: dict[str, Any], endpoint: str, headers: dict[str, str]
     ) -> PrefillLeg:
-        hop = {
-            **body,
-            "max_tokens": 1,
-            "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True},
-        }
+        single = body.get("n", 1) == 1
+        one_token = single and (body.get("max_completion_tokens") or body.get("max_tokens")) == 1
+        hop = {**body, "max_tokens": 1, "stream": False}
+        if not one_token:  # a one-token request needs no decode leg: nothing is handed over
+            hop["kv_transfer_params"] = {"do_remote_decode": True}
+        if hop.get("min_tokens"):  # it forbids a stop at the first token here as it would there
+            hop["min_tokens"] = 1
         if "max_completion_tokens" in hop:
             hop["max_completion_tokens"] = 1
-        for key in ("stream_options", "min_tokens"):
-            hop.pop(key, None)
+        hop.pop("stream_options", None)
         try:
             instance = pools["prefill"].pick()
         except OpenAIError as e:
@@ -271,7 +304,12 @@ def build_proxy_app(
             return PrefillLeg(instance, reason="prefill-failed", detail=detail)
         if resp.status_code != 200:  # the client's mistake: the decode instance would agree
             raise _forwarded_error(instance, resp)
-        params = resp.json().get("kv_transfer_params")
+        answer = resp.json()
+        stopped = single and answer.get("choices", [{}])[0].get("finish_reason") == "stop"
+        if one_token or stopped:
+            answer.pop("kv_transfer_params", None)
+            return PrefillLeg(instance, answer=answer)
+        params = answer.get("kv_transfer_params")
         if not params:
             detail = f"{instance.url} answered without kv_transfer_params (no KV connector?)"
             return PrefillLeg(instance, reason="no-kv-transfer-params", detail=detail)
@@ -297,7 +335,7 @@ def build_proxy_app(
                     f"The prefill leg could not be used ({leg.reason}: {leg.detail}), and "
                     "--strict-pd refuses to let the decode instance prefill.",
                 )
-        else:
+        elif leg.params is not None:
             body = {**body, "kv_transfer_params": leg.params}
         # Tell the client how it was served and, for the demo, how much KV was handed over.
         out_headers = {
@@ -307,6 +345,18 @@ def build_proxy_app(
         }
         if leg.instance is not None:
             out_headers["X-PD-Prefill-Instance"] = leg.instance.url
+
+        if leg.answer is not None:
+            prefill_only = {
+                "prefill_leg": prefill_s,
+                "proxy": time.perf_counter() - arrival - prefill_s,
+            }
+            out_headers["Server-Timing"] = _server_timing(prefill_only)
+            if not body.get("stream"):
+                return JSONResponse(leg.answer, headers=out_headers)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            events = _as_stream(leg.answer, endpoint, include_usage)
+            return Response("".join(events), media_type="text/event-stream", headers=out_headers)
 
         decode_instance = pools["decode"].pick()
         out_headers["X-PD-Decode-Instance"] = decode_instance.url
@@ -340,12 +390,7 @@ def build_proxy_app(
             "decode_first_byte": decode_s,
             "proxy": first_byte - arrival - prefill_s - decode_s,
         }
-        for name, seconds in parts.items():
-            timing_parts[name].observe(seconds)
-        out_headers["Server-Timing"] = ", ".join(
-            f'{name};dur={seconds * 1000:.2f};desc="{_TIMING_DESC[name]}"'
-            for name, seconds in parts.items()
-        )
+        out_headers["Server-Timing"] = _server_timing(parts)
         if not streaming:
             await answer.aclose()
             return Response(first, media_type="application/json", headers=out_headers)

@@ -133,3 +133,61 @@ def test_server_timing_says_where_the_first_token_went(
         assert all(ms >= 0 for ms in parts.values()) and sum(parts.values()) <= waited_ms
         assert proxy.metric("pd_prefill_leg_seconds_count") == 1
         assert proxy.stop() == []
+
+
+def _sse_tokens(resp: httpx.Response) -> tuple[list[int], list[str | None]]:
+    tokens, reasons = [], []
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                tokens += choice.get("token_ids") or []
+                reasons.append(choice.get("finish_reason"))
+    return tokens, reasons
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", ["one token asked", "the first token stops"])
+def test_no_decode_leg_when_the_prefill_answer_is_the_whole_answer(
+    servers: dict[str, RemoteServer], model: str, reference: list[int], case: str, stream: bool
+) -> None:
+    body = greedy_body(model, PROMPT, MAX_TOKENS)
+    if case == "one token asked":
+        body["max_tokens"] = 1
+    else:
+        body["stop_token_ids"] = reference[:1]
+    decode = servers["decode"]
+    with _proxy(servers["prefill"].url.removeprefix("http://"), decode) as proxy:
+        transfers = decode.metric("kv_transfers_total")
+        with httpx.stream(
+            "POST", f"{proxy.url}/v1/completions", json={**body, "stream": stream}, timeout=60
+        ) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["X-PD-Path"] == "prefill-only"
+            if stream:
+                tokens, reasons = _sse_tokens(resp)
+            else:
+                choice = json.loads(resp.read())["choices"][0]
+                tokens, reasons = choice["token_ids"], [choice["finish_reason"]]
+        assert tokens == reference[:1]
+        assert reasons[-1] == ("length" if case == "one token asked" else "stop")
+        assert decode.metric("kv_transfers_total") == transfers
+        assert _counted(proxy, "prefill-only", "none") == 1
+        servers["prefill"].wait_pool_full()
+        assert proxy.stop() == []
+
+
+def test_min_tokens_forbids_a_first_stop_through_the_split(
+    servers: dict[str, RemoteServer], model: str, reference: list[int]
+) -> None:
+    """The prefill hop keeps min_tokens (as 1): its first token is the one a single instance,
+    which may not stop there, samples."""
+    body = {**greedy_body(model, PROMPT, MAX_TOKENS), "stop_token_ids": reference[:1]}
+    body["min_tokens"] = 2
+    single = httpx.post(f"{servers['plain'].url}/v1/completions", json=body, timeout=60)
+    expected = single.json()["choices"][0]["token_ids"]
+    assert expected[0] != reference[0]
+    with _proxy(servers["prefill"].url.removeprefix("http://"), servers["decode"]) as proxy:
+        resp = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
+        assert resp.headers["X-PD-Path"] == "remote"
+        assert resp.json()["choices"][0]["token_ids"] == expected
+        assert proxy.stop() == []
