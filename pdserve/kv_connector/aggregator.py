@@ -11,14 +11,19 @@ from pdserve.outputs import KVConnectorOutput, ModelRunnerOutput
 class KVOutputAggregator:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._sending: dict[str, int] = {}
-        self._recving: dict[str, int] = {}
+        # request id -> the ranks that reported it: a rank that reports an id twice (a retried
+        # notification) still counts once.
+        self._sending: dict[str, set[int]] = {}
+        self._recving: dict[str, set[int]] = {}
 
-    def _count(self, counts: dict[str, int], ids: set[str] | None, done: set[str]) -> None:
+    def _count(
+        self, reported: dict[str, set[int]], rank: int, ids: set[str] | None, done: set[str]
+    ) -> None:
         for req_id in ids or ():
-            counts[req_id] = counts.get(req_id, 0) + 1
-            if counts[req_id] == self.world_size:
-                del counts[req_id]
+            ranks = reported.setdefault(req_id, set())
+            ranks.add(rank)
+            if len(ranks) == self.world_size:
+                del reported[req_id]
                 done.add(req_id)
 
     def aggregate(self, outputs: list[ModelRunnerOutput], output_rank: int) -> ModelRunnerOutput:
@@ -27,12 +32,12 @@ class KVOutputAggregator:
         invalid: set[int] = set()
         stats: dict[str, float] = {}
         errors: dict[str, str] = {}
-        for output in outputs:
+        for rank, output in enumerate(outputs):
             kv = output.kv_connector_output
             if kv is None:
                 continue
-            self._count(self._sending, kv.finished_sending, sending)
-            self._count(self._recving, kv.finished_recving, recving)
+            self._count(self._sending, rank, kv.finished_sending, sending)
+            self._count(self._recving, rank, kv.finished_recving, recving)
             invalid |= kv.invalid_block_ids
             for name, value in (kv.stats or {}).items():
                 stats[name] = stats.get(name, 0.0) + value

@@ -38,6 +38,15 @@ def test_a_transfer_ends_once_every_rank_reported_it() -> None:
     assert news(step3) == (None, None)
 
 
+def test_a_rank_reporting_an_id_twice_counts_once() -> None:
+    agg = KVOutputAggregator(world_size=2)
+    for _ in range(2):  # rank 0 twice, rank 1 not yet: rank 1 may still be reading
+        step = agg.aggregate([rank_output(recving={"d"}), rank_output()], output_rank=0)
+        assert news(step) == (None, None)
+    step = agg.aggregate([rank_output(), rank_output(recving={"d"})], output_rank=0)
+    assert news(step) == (None, {"d"})
+
+
 def test_every_rank_in_the_same_step() -> None:
     agg = KVOutputAggregator(world_size=4)
     out = agg.aggregate([rank_output({"p"}, {"a", "b"}) for _ in range(4)], output_rank=3)
