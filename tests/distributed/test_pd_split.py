@@ -25,7 +25,7 @@ PROMPTS = [
 
 CASES = [
     pytest.param("nixl", 1, 1, "1", id="nixl-tp1-tp1-v2"),
-    pytest.param("ucx", 1, 1, "0", id="ucx-tp1-tp1-v1"),
+    pytest.param("ucx", 1, 1, "0", id="ucx-tp1-tp1-v1", marks=pytest.mark.slow),
     pytest.param("nixl", 1, 2, "1", id="nixl-tp1-tp2-v2", marks=pytest.mark.slow),
     pytest.param("nixl", 2, 1, "0", id="nixl-tp2-tp1-v1", marks=pytest.mark.slow),
     pytest.param("ucx", 1, 2, "0", id="ucx-tp1-tp2-v1", marks=pytest.mark.slow),
@@ -91,7 +91,9 @@ def test_split_matches_reference(
             assert server.stop() == [], "processes left behind"
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+@pytest.mark.parametrize(
+    "endpoint", ["completions", pytest.param("chat/completions", marks=pytest.mark.slow)]
+)
 def test_chat_and_streaming_through_split(tiny_model: Callable[[str], str], endpoint: str) -> None:
     model = tiny_model("llama")
     p = start_instance(model, "kv_producer")
@@ -147,6 +149,7 @@ def test_chat_and_streaming_through_split(tiny_model: Callable[[str], str], endp
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
+@pytest.mark.slow  # the default suite has the same rule through pdserve launch (test_proxy.py)
 def test_cached_tokens_through_split(tiny_model: Callable[[str], str]) -> None:
     """pd_lessons 17: the client of a split sees the prefill instance's prefix-cache hits and
     the decode instance's local ones, a token hit on both counted once; each instance's

@@ -69,7 +69,7 @@ def test_executor_tp2_pp2(tiny_model: Callable[[str], str]) -> None:
         ("llama", 1, "v2"),
         ("qwen2_moe", 1, "v1"),
         ("qwen2_moe", 1, "v2"),
-        ("qwen2_moe", 2, "v2"),
+        pytest.param("qwen2_moe", 2, "v2", marks=slow),
         pytest.param("qwen2_moe", 2, "v1", marks=slow),
         pytest.param("llama", 2, "v1", marks=slow),
         pytest.param("llama", 2, "v2", marks=slow),

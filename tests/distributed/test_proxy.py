@@ -317,6 +317,7 @@ def _launch_pids(server: RemoteServer) -> list[int]:
     return [server.proc.pid, *descendants(server.proc.pid)]
 
 
+@pytest.mark.slow  # launch's start-up: ~30 s each
 def test_launch_stops_everything_on_sigterm(tiny_model: Callable[[str], str]) -> None:
     server = RemoteServer(["launch", "--model", tiny_model("llama"), "--dtype", "float32"])
     pids = _launch_pids(server)
@@ -327,6 +328,7 @@ def test_launch_stops_everything_on_sigterm(tiny_model: Callable[[str], str]) ->
     server.stop()
 
 
+@pytest.mark.slow  # launch's start-up: ~30 s each
 def test_launch_stops_everything_when_a_child_dies(tiny_model: Callable[[str], str]) -> None:
     server = RemoteServer(["launch", "--model", tiny_model("llama"), "--dtype", "float32"])
     pids = _launch_pids(server)

@@ -45,6 +45,15 @@ def servers(model: str) -> Iterator[dict[str, RemoteServer]]:
         yield {"prefill": p, "decode": d, "plain": plain}
 
 
+@pytest.fixture(scope="module")
+def split(servers: dict[str, RemoteServer]) -> Iterator[RemoteServer]:
+    """A proxy in front of the prefill and the decode instance, for the tests that share it
+    (they read its counters as differences)."""
+    with _proxy(servers["prefill"].url.removeprefix("http://"), servers["decode"]) as proxy:
+        yield proxy
+        assert proxy.stop() == []
+
+
 def _proxy(prefill: str, decode: RemoteServer, *flags: str) -> RemoteServer:
     decode_address = decode.url.removeprefix("http://")
     return RemoteServer(["proxy", "--prefill", prefill, "--decode", decode_address, *flags])
@@ -62,13 +71,14 @@ def _counted(proxy: RemoteServer, path: str, reason: str) -> float:
     return proxy.metric("proxy_requests_total", path=path, reason=reason)
 
 
-def test_remote_path(servers: dict[str, RemoteServer], model: str, reference: list[int]) -> None:
-    with _proxy(servers["prefill"].url.removeprefix("http://"), servers["decode"]) as proxy:
-        transfers = servers["decode"].metric("kv_transfers_total")
-        assert _complete(proxy, model) == ("remote", reference)
-        assert servers["decode"].metric("kv_transfers_total") == transfers + 1
-        assert _counted(proxy, "remote", "none") == 1
-        assert proxy.stop() == []
+def test_remote_path(
+    servers: dict[str, RemoteServer], split: RemoteServer, model: str, reference: list[int]
+) -> None:
+    transfers = servers["decode"].metric("kv_transfers_total")
+    counted = _counted(split, "remote", "none")
+    assert _complete(split, model) == ("remote", reference)
+    assert servers["decode"].metric("kv_transfers_total") == transfers + 1
+    assert _counted(split, "remote", "none") == counted + 1
 
 
 def test_prefill_without_kv_transfer_params_is_served_locally_and_told(
@@ -110,29 +120,29 @@ def test_strict_pd_refuses_the_local_path(servers: dict[str, RemoteServer], mode
 
 
 def test_server_timing_says_where_the_first_token_went(
-    servers: dict[str, RemoteServer], model: str, reference: list[int]
+    split: RemoteServer, model: str, reference: list[int]
 ) -> None:
     """Its parts lie within the client's wait for the first token (how close they come to it
     is benchmarks/pd_ttft.py's to show); the proxy's /metrics keeps them as histograms."""
-    with _proxy(servers["prefill"].url.removeprefix("http://"), servers["decode"]) as proxy:
-        body = {**greedy_body(model, PROMPT, MAX_TOKENS), "stream": True}
-        start = time.perf_counter()
-        with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=60) as resp:
-            lines = resp.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            waited_ms = (time.perf_counter() - start) * 1000
-            rest = [line for line in lines if line.startswith("data: ")]
-        chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
-        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == reference
-        parts = {}
-        for entry in resp.headers["Server-Timing"].split(", "):
-            name, dur, desc = entry.split(";")
-            assert desc.startswith('desc="')
-            parts[name] = float(dur.removeprefix("dur="))
-        assert set(parts) == {"proxy", "prefill_leg", "decode_first_byte"}
-        assert all(ms >= 0 for ms in parts.values()) and sum(parts.values()) <= waited_ms
-        assert proxy.metric("pd_prefill_leg_seconds_count") == 1
-        assert proxy.stop() == []
+    proxy = split
+    observed = proxy.metric("pd_prefill_leg_seconds_count")
+    body = {**greedy_body(model, PROMPT, MAX_TOKENS), "stream": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        waited_ms = (time.perf_counter() - start) * 1000
+        rest = [line for line in lines if line.startswith("data: ")]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == reference
+    parts = {}
+    for entry in resp.headers["Server-Timing"].split(", "):
+        name, dur, desc = entry.split(";")
+        assert desc.startswith('desc="')
+        parts[name] = float(dur.removeprefix("dur="))
+    assert set(parts) == {"proxy", "prefill_leg", "decode_first_byte"}
+    assert all(ms >= 0 for ms in parts.values()) and sum(parts.values()) <= waited_ms
+    assert proxy.metric("pd_prefill_leg_seconds_count") == observed + 1
 
 
 def _sse_tokens(resp: httpx.Response) -> tuple[list[int], list[str | None]]:
@@ -148,36 +158,40 @@ def _sse_tokens(resp: httpx.Response) -> tuple[list[int], list[str | None]]:
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("case", ["one token asked", "the first token stops"])
 def test_no_decode_leg_when_the_prefill_answer_is_the_whole_answer(
-    servers: dict[str, RemoteServer], model: str, reference: list[int], case: str, stream: bool
+    servers: dict[str, RemoteServer],
+    split: RemoteServer,
+    model: str,
+    reference: list[int],
+    case: str,
+    stream: bool,
 ) -> None:
     body = greedy_body(model, PROMPT, MAX_TOKENS)
     if case == "one token asked":
         body["max_tokens"] = 1
     else:
         body["stop_token_ids"] = reference[:1]
-    decode = servers["decode"]
-    with _proxy(servers["prefill"].url.removeprefix("http://"), decode) as proxy:
-        transfers = decode.metric("kv_transfers_total")
-        with httpx.stream(
-            "POST", f"{proxy.url}/v1/completions", json={**body, "stream": stream}, timeout=60
-        ) as resp:
-            assert resp.status_code == 200
-            assert resp.headers["X-PD-Path"] == "prefill-only"
-            if stream:
-                tokens, reasons = _sse_tokens(resp)
-            else:
-                choice = json.loads(resp.read())["choices"][0]
-                tokens, reasons = choice["token_ids"], [choice["finish_reason"]]
-        assert tokens == reference[:1]
-        assert reasons[-1] == ("length" if case == "one token asked" else "stop")
-        assert decode.metric("kv_transfers_total") == transfers
-        assert _counted(proxy, "prefill-only", "none") == 1
-        servers["prefill"].wait_pool_full()
-        assert proxy.stop() == []
+    decode, proxy = servers["decode"], split
+    counted = _counted(proxy, "prefill-only", "none")
+    transfers = decode.metric("kv_transfers_total")
+    with httpx.stream(
+        "POST", f"{proxy.url}/v1/completions", json={**body, "stream": stream}, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["X-PD-Path"] == "prefill-only"
+        if stream:
+            tokens, reasons = _sse_tokens(resp)
+        else:
+            choice = json.loads(resp.read())["choices"][0]
+            tokens, reasons = choice["token_ids"], [choice["finish_reason"]]
+    assert tokens == reference[:1]
+    assert reasons[-1] == ("length" if case == "one token asked" else "stop")
+    assert decode.metric("kv_transfers_total") == transfers
+    assert _counted(proxy, "prefill-only", "none") == counted + 1
+    servers["prefill"].wait_pool_full()
 
 
 def test_min_tokens_forbids_a_first_stop_through_the_split(
-    servers: dict[str, RemoteServer], model: str, reference: list[int]
+    servers: dict[str, RemoteServer], split: RemoteServer, model: str, reference: list[int]
 ) -> None:
     """The prefill hop keeps min_tokens (as 1): its first token is the one a single instance,
     which may not stop there, samples."""
@@ -186,8 +200,6 @@ def test_min_tokens_forbids_a_first_stop_through_the_split(
     single = httpx.post(f"{servers['plain'].url}/v1/completions", json=body, timeout=60)
     expected = single.json()["choices"][0]["token_ids"]
     assert expected[0] != reference[0]
-    with _proxy(servers["prefill"].url.removeprefix("http://"), servers["decode"]) as proxy:
-        resp = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
-        assert resp.headers["X-PD-Path"] == "remote"
-        assert resp.json()["choices"][0]["token_ids"] == expected
-        assert proxy.stop() == []
+    resp = httpx.post(f"{split.url}/v1/completions", json=body, timeout=60)
+    assert resp.headers["X-PD-Path"] == "remote"
+    assert resp.json()["choices"][0]["token_ids"] == expected
