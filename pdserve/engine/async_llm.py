@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,8 +17,9 @@ import msgspec
 from pdserve.config import EngineConfig
 from pdserve.engine.core_client import AsyncEngineCoreClient, EngineDeadError
 from pdserve.engine.input_processor import ChatMessages, InputProcessor, PromptType
-from pdserve.engine.messages import EngineCoreOutputs
+from pdserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pdserve.engine.output_processor import OutputProcessor
+from pdserve.kv_connector.first_token import shipped_logprobs
 from pdserve.metrics import EngineMetrics
 from pdserve.models import loader
 from pdserve.outputs import EngineCoreOutput, RequestOutput, RequestOutputKind
@@ -41,6 +41,9 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(config.model_config.name)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Engine id of the sequence that reads a hand-off -> its siblings' requests, not yet
+        # sent to the engine.
+        self.followers: dict[str, list[EngineCoreRequest]] = {}
         self.client = AsyncEngineCoreClient(config)
 
     @classmethod
@@ -87,19 +90,25 @@ class AsyncLLM:
         self.queues[request_id] = queue
         self.metrics.request_started(request_id, len(token_ids))
         finished = False
+        # n > 1 sequences reading one hand-off: the first reads it, the others wait here until
+        # the engine answers for the first (its KV has then arrived and is in the prefix cache).
+        first_id = children[0][0]
+        shared_read = len(children) > 1 and bool(
+            (kv_transfer_params or {}).get("do_remote_prefill")
+        )
         try:
-            for child_id, child_params in children:
+            if shared_read:
+                self.followers[first_id] = [
+                    self.input_processor.make_request(child_id, token_ids, child_params)
+                    for child_id, child_params in children[1:]
+                ]
+            for child_id, child_params in children[:1] if shared_read else children:
                 request = self.input_processor.make_request(
                     child_id, token_ids, child_params, kv_transfer_params
                 )
                 self.client.add_request(request)
                 if request.output_token_ids:
-                    # Shipped by the prefill instance: the client has it now, not after the load.
-                    self._on_outputs(
-                        EngineCoreOutputs(
-                            time.time(), [EngineCoreOutput(child_id, request.output_token_ids)]
-                        )
-                    )
+                    self._ship_first_token(request)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -109,8 +118,28 @@ class AsyncLLM:
                 yield item
         finally:
             self.queues.pop(request_id, None)
+            self.followers.pop(first_id, None)
             if not finished:
                 self._abort(request_id, "abort")
+
+    def _ship_first_token(self, request: EngineCoreRequest) -> None:
+        """The token the prefill instance sampled (with its logprobs when asked) goes to the
+        client now, not after the load."""
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            assert request.kv_transfer_params is not None
+            logprobs = shipped_logprobs(
+                request.kv_transfer_params, request.sampling_params.logprobs
+            )
+        output = EngineCoreOutput(request.request_id, request.output_token_ids, logprobs)
+        self._process_outputs([output])
+        if request.request_id not in self.output_processor.child_to_parent:
+            # Its text met a stop string: it ends without reading, the others prefill.
+            self._release_followers(request.request_id)
+
+    def _release_followers(self, child_id: str) -> None:
+        for request in self.followers.pop(child_id, ()):
+            self.client.add_request(request)
 
     def _abort(self, request_id: str, reason: str) -> None:
         # Ids the engine does not know (rejected, already finished) are ignored there.
@@ -146,7 +175,15 @@ class AsyncLLM:
                 self._fail(parent[0], RequestRejectedError(why))
         if not msg.outputs:
             return
-        updates, to_abort = self.output_processor.process_outputs(msg.outputs)
+        if self.followers:
+            for out in msg.outputs:
+                # Whatever the first sequence's news (a token, an error), its load has ended:
+                # the others find what it loaded in the prefix cache, or prefill the rest.
+                self._release_followers(out.request_id)
+        self._process_outputs(msg.outputs)
+
+    def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        updates, to_abort = self.output_processor.process_outputs(outputs)
         self.client.abort_requests(to_abort)
         for update in updates:
             self.metrics.request_updated(update)

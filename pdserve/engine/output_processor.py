@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.kv_connector.first_token import first_token_logprobs
 from pdserve.outputs import (
     CompletionOutput,
     EngineCoreOutput,
@@ -196,6 +197,14 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
+                if (
+                    out.new_logprobs is not None
+                    and out.kv_transfer_params.get("first_token_id") is not None
+                ):
+                    # A prefill hop's row, for the decode side to stream with the token.
+                    out.kv_transfer_params["first_token_logprobs"] = first_token_logprobs(
+                        out.new_logprobs
+                    )
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = str(FinishReason.STOP), stop_str
                 if out.finish_reason is None:

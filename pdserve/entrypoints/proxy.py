@@ -283,7 +283,9 @@ def build_proxy_app(
     ) -> PrefillLeg:
         single = body.get("n", 1) == 1
         one_token = single and (body.get("max_completion_tokens") or body.get("max_tokens")) == 1
-        hop = {**body, "max_tokens": 1, "stream": False}
+        # One sequence prefills, whatever the client's n: one hand-off, which the decode
+        # instance's n sequences share. The hop's sequence is the client's first (same seed).
+        hop = {**body, "max_tokens": 1, "stream": False, "n": 1}
         if not one_token:  # a one-token request needs no decode leg: nothing is handed over
             hop["kv_transfer_params"] = {"do_remote_decode": True}
         if hop.get("min_tokens"):  # it forbids a stop at the first token here as it would there
@@ -305,10 +307,13 @@ def build_proxy_app(
         if resp.status_code != 200:  # the client's mistake: the decode instance would agree
             raise _forwarded_error(instance, resp)
         answer = resp.json()
-        stopped = single and answer.get("choices", [{}])[0].get("finish_reason") == "stop"
-        if one_token or stopped:
+        stopped = answer.get("choices", [{}])[0].get("finish_reason") == "stop"
+        if one_token or (stopped and single):
             answer.pop("kv_transfer_params", None)
             return PrefillLeg(instance, answer=answer)
+        if stopped:  # the first sequence is done, the others need the KV, which was not kept
+            detail = f"{instance.url}: the first token stopped the request's first sequence"
+            return PrefillLeg(instance, reason="first-token-stopped", detail=detail)
         params = answer.get("kv_transfer_params")
         if not params:
             detail = f"{instance.url} answered without kv_transfer_params (no KV connector?)"

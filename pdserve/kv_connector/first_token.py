@@ -1,18 +1,26 @@
 """First-token shipping: the decode side continues from the token the prefill instance sampled.
 
 The prefill instance's hop ends with one sampled token; its `kv_transfer_params` carry it as
-`first_token_id`. A decode request that gets it streams that token at once (its client's first
-token waits for no transfer and no step), and schedules its KV load with the token appended, so
-its first step computes that token's KV and samples the second: the prompt's last token is not
-computed again. Where the token would end the request, or where what the client asked for needs
-the decode side's own sample (n > 1 sequences, logprobs), the request takes the unshipped path:
-it recomputes the prompt's last token and samples position 0 itself.
+`first_token_id`, and, when the hop asked for logprobs, that token's logprob row as
+`first_token_logprobs` (`{"token_ids", "logprobs", "rank"}`: column 0 the sampled token, then
+the top ones, as the sampler gives them; the prefill instance's front end adds it, it is the
+one that sees the row). A decode request that gets the token streams it at once (its client's
+first token waits for no transfer and no step), and schedules its KV load with the token
+appended, so its first step computes that token's KV and samples the second: the prompt's last
+token is not computed again. Where the token would end the request, or where what the client
+asked for needs the decode side's own sample (logprobs the params do not carry), the request
+takes the unshipped path: it recomputes the prompt's last token and samples position 0 itself.
+
+With n > 1 only the first sequence continues from the shipped token: it has the hop's seed
+(child i gets seed + i, the proxy's hop is sequence 0); the others sample their own
+(engine/async_llm.py, which also makes them share the first sequence's transfer).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pdserve.outputs import LogprobsLists
 from pdserve.sampling_params import SamplingParams
 
 
@@ -35,10 +43,44 @@ def shipped_first_token(
     token = kv.get("first_token_id")
     if not kv.get("do_remote_prefill") or not isinstance(token, int) or token in stop_token_ids:
         return None
-    if params.n != 1 or params.logprobs is not None:
+    if params.n != 1:  # a parent's params: each of its sequences decides with its own
+        return None
+    if params.logprobs is not None and shipped_logprobs(kv, params.logprobs) is None:
         return None
     if (params.max_tokens is not None and params.max_tokens <= 1) or (
         num_prompt_tokens + 1 >= max_model_len
     ):
         return None
     return token
+
+
+def first_token_logprobs(row: LogprobsLists) -> dict[str, Any]:
+    """Prefill side: the shipped token's row (the step's one row for the request)."""
+    return {
+        "token_ids": list(row.logprob_token_ids[0]),
+        "logprobs": list(row.logprobs[0]),
+        "rank": row.sampled_token_ranks[0],
+    }
+
+
+def shipped_logprobs(kv_transfer_params: dict[str, Any], num_logprobs: int) -> LogprobsLists | None:
+    """Decode side: the shipped token's row, cut to this request's width (the sampled token and
+    `num_logprobs` top ones: a batch's rows are as wide as its widest request's), if the params
+    carry one for that token at least that wide; None otherwise."""
+    entry = kv_transfer_params.get("first_token_logprobs")
+    if not isinstance(entry, dict):
+        return None
+    ids, values, rank = entry.get("token_ids"), entry.get("logprobs"), entry.get("rank")
+    if not (
+        isinstance(ids, list)
+        and isinstance(values, list)
+        and len(ids) == len(values) > num_logprobs
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        and isinstance(rank, int)
+        and not isinstance(rank, bool)
+        and ids[0] == kv_transfer_params.get("first_token_id")
+    ):
+        return None
+    width = num_logprobs + 1
+    return LogprobsLists([ids[:width]], [[float(v) for v in values[:width]]], [rank])

@@ -208,6 +208,13 @@ class OpenAIServing:
 
     def prepare_completion(self, req: CompletionRequest) -> list[tuple[Prompt, SamplingParams]]:
         self.check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise OpenAIError(
+                400,
+                "echo with logprobs returns the prompt's logprobs too, which pdserve does not "
+                "compute yet; use echo or logprobs.",
+                param="echo",
+            )
         prepared = []
         for prompt in req.prompts():
             text, token_ids = self.tokenize(prompt)
@@ -221,7 +228,7 @@ class OpenAIServing:
         async for i, out in self.generate(prompts, request_id, req.kv_transfer_params, False):
             finals[i] = out
         choices = [
-            self._completion_choice(i * req.n + c.index, c)
+            self._completion_choice(i * req.n + c.index, c, self._echo(req, finals[i]))
             for i in sorted(finals)
             for c in finals[i].outputs
         ]
@@ -247,6 +254,7 @@ class OpenAIServing:
             "model": self.model_name,
         }
         counts = _UsageCounter()
+        echoed: set[int] = set()  # choices whose first chunk (the one with the prompt) went
         async for i, out in _reporting_errors(stream):
             if isinstance(out, str):
                 yield out
@@ -255,13 +263,23 @@ class OpenAIServing:
             for c in out.outputs:  # each output holds only the step's new part
                 if not c.token_ids and not c.text and c.finish_reason is None:
                     continue
-                choice = self._completion_choice(i * req.n + c.index, c)
-                yield sse({**head, "choices": [choice]})
+                index = i * req.n + c.index
+                prefix = "" if index in echoed else self._echo(req, out)
+                echoed.add(index)
+                yield sse({**head, "choices": [self._completion_choice(index, c, prefix)]})
         if req.stream_options and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": counts.usage()})
         yield "data: [DONE]\n\n"
 
-    def _completion_choice(self, index: int, c: CompletionOutput) -> dict:
+    def _echo(self, req: CompletionRequest, out: RequestOutput) -> str:
+        """What a choice's text starts with: the prompt, with echo (token ids decoded)."""
+        if not req.echo:
+            return ""
+        if out.prompt is not None:
+            return out.prompt
+        return self.engine.tokenizer.decode(out.prompt_token_ids)
+
+    def _completion_choice(self, index: int, c: CompletionOutput, echo: str = "") -> dict:
         logprobs = None
         if c.logprobs is not None:
             tokens, token_logprobs, top = [], [], []
@@ -277,7 +295,7 @@ class OpenAIServing:
             }
         return {
             "index": index,
-            "text": c.text,
+            "text": echo + c.text,
             "logprobs": logprobs,
             "token_ids": c.token_ids,
             "finish_reason": c.finish_reason,

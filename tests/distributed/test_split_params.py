@@ -1,0 +1,208 @@
+"""OpenAI parameters through the split (issue 14.4, pd_lessons 21), each against one instance.
+
+n > 1: the proxy's prefill hop is one sequence, one hand-off; the decode instance's n sequences
+share its one transfer (the others find its blocks in the prefix cache once it arrived), and
+seeded outputs are a single instance's. logprobs: the first token's come from the prefill
+instance with the token (it is shipped, not sampled again). echo: the prompt leads the text. Real processes: a prefill and a
+decode instance, `pdserve proxy` in front, and a plain `pdserve serve` as the reference."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.utils.pd import start_instance
+from tests.utils.server import RemoteServer
+
+BLOCK = 16
+PROMPT_LEN = 2 * BLOCK + 8  # two full blocks the followers hit, 8 tokens they compute
+MAX_TOKENS = 6
+N = 3
+
+
+def _prompt(salt: int) -> list[int]:
+    """Prompts with different salts share no block: no test finds another's prefix cached."""
+    return [salt + 5] + [(i * 13 + salt * 41) % 300 + 3 for i in range(PROMPT_LEN - 1)]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: Callable[[str], str]) -> Iterator[dict[str, Any]]:
+    model = tiny_model("llama")
+    with (
+        start_instance(model, "kv_producer") as p,
+        start_instance(model, "kv_consumer") as d,
+        RemoteServer(["serve", "--model", model, "--dtype", "float32"]) as plain,
+        RemoteServer(
+            [
+                "proxy",
+                "--prefill",
+                p.url.removeprefix("http://"),
+                "--decode",
+                d.url.removeprefix("http://"),
+            ]
+        ) as proxy,
+    ):
+        yield {"model": model, "prefill": p, "decode": d, "plain": plain, "proxy": proxy}
+
+
+def _post(server: RemoteServer, body: dict[str, Any]) -> tuple[httpx.Headers, list[dict]]:
+    """The response's headers and its choices by index; a stream's chunks joined per index."""
+    if not body.get("stream"):
+        resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        return resp.headers, sorted(resp.json()["choices"], key=lambda c: c["index"])
+    choices: dict[int, dict] = {}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line.removeprefix("data: "))["choices"]:
+                joined = choices.setdefault(c["index"], {"text": "", "token_ids": [], "lp": []})
+                joined["text"] += c["text"]
+                joined["token_ids"] += c["token_ids"]
+                if c["logprobs"] is not None:
+                    lp = c["logprobs"]
+                    joined["lp"] += list(
+                        zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])
+                    )
+        return resp.headers, [choices[i] for i in sorted(choices)]
+
+
+def _sources(server: RemoteServer) -> dict[str, float]:
+    return {
+        s: server.metric("prompt_tokens_by_source_total", source=s)
+        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
+
+
+def _wait_pools_full(servers: dict[str, Any]) -> None:
+    # Under the lease (30 s): a hand-off nobody reads would hold the prefill blocks past this.
+    servers["prefill"].wait_pool_full(timeout=10)
+    servers["decode"].wait_pool_full()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_seeded_sequences_share_one_transfer(servers: dict[str, Any], stream: bool) -> None:
+    body = {
+        "model": servers["model"],
+        "prompt": _prompt(salt=1 + stream),
+        "max_tokens": MAX_TOKENS,
+        "n": N,
+        "seed": 1234,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    want = [c["token_ids"] for c in _post(servers["plain"], body)[1]]
+    assert len({tuple(t) for t in want}) > 1, "each sequence has its own seed"
+    decode = servers["decode"]
+    transfers, sources = decode.metric("kv_transfers_total"), _sources(decode)
+    headers, choices = _post(servers["proxy"], body)
+    assert headers["X-PD-Path"] == "remote"
+    assert [c["token_ids"] for c in choices] == want
+    assert decode.metric("kv_transfers_total") == transfers + 1
+    # The first sequence loads the prompt (and continues from the shipped token); the others
+    # hit its full blocks in the prefix cache and compute only the rest of the prompt.
+    assert _delta(sources, _sources(decode)) == {
+        "local_compute": (N - 1) * (PROMPT_LEN - 2 * BLOCK),
+        "local_cache_hit": (N - 1) * 2 * BLOCK,
+        "external_kv_transfer": PROMPT_LEN,
+    }
+    _wait_pools_full(servers)
+
+
+def _logprobs(choice: dict, stream: bool) -> list[tuple[str, float, dict[str, float]]]:
+    if stream:
+        return choice["lp"]
+    lp = choice["logprobs"]
+    return list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_first_token_logprobs_come_from_the_prefill_instance(
+    servers: dict[str, Any], stream: bool
+) -> None:
+    body = {
+        "model": servers["model"],
+        "prompt": _prompt(salt=3 + stream),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 3,
+        "stream": stream,
+    }
+    (want,) = _post(servers["plain"], body)[1]
+    decode = servers["decode"]
+    sources = _sources(decode)
+    headers, (got,) = _post(servers["proxy"], body)
+    assert headers["X-PD-Path"] == "remote"
+    assert got["token_ids"] == want["token_ids"]
+    got_lp, want_lp = _logprobs(got, stream), _logprobs(want, stream)
+    assert len(got_lp) == len(want_lp) == MAX_TOKENS
+    for (token, logprob, top), (want_token, want_logprob, want_top) in zip(got_lp, want_lp):
+        assert token == want_token
+        assert logprob == pytest.approx(want_logprob, abs=1e-4)
+        assert top.keys() == want_top.keys()
+        assert list(top.values()) == pytest.approx(list(want_top.values()), abs=1e-4)
+    # Shipped: the decode instance loaded the whole prompt and did not recompute its last token.
+    assert _delta(sources, _sources(decode))["local_compute"] == 0
+    _wait_pools_full(servers)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo(servers: dict[str, Any], stream: bool) -> None:
+    body = {
+        "model": servers["model"],
+        "prompt": _prompt(salt=5 + stream),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    ((_, (plain,)), (_, (echoed,))) = (
+        _post(servers["plain"], body),
+        _post(servers["plain"], {**body, "echo": True}),
+    )
+    assert echoed["text"] != plain["text"] and echoed["text"].endswith(plain["text"])
+    headers, (got,) = _post(servers["proxy"], {**body, "echo": True})
+    assert headers["X-PD-Path"] == "remote"
+    assert (got["text"], got["token_ids"]) == (echoed["text"], echoed["token_ids"])
+    _wait_pools_full(servers)
+
+
+def test_echo_with_logprobs_is_refused(servers: dict[str, Any]) -> None:
+    body = {"model": servers["model"], "prompt": "hi", "echo": True, "logprobs": 1}
+    resp = httpx.post(f"{servers['proxy'].url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400
+    assert "echo" in resp.json()["error"]["message"]
+
+
+def test_n_with_a_first_token_that_stops_is_served_locally_and_told(
+    servers: dict[str, Any],
+) -> None:
+    body = {
+        "model": servers["model"],
+        "prompt": _prompt(salt=7),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "n": 2,
+    }
+    first = _post(servers["plain"], {**body, "n": 1, "max_tokens": 1})[1][0]["token_ids"][0]
+    body["stop_token_ids"] = [first]
+    want = [(c["token_ids"], c["finish_reason"]) for c in _post(servers["plain"], body)[1]]
+    assert [reason for _, reason in want] == ["stop", "stop"]
+    headers, choices = _post(servers["proxy"], body)
+    # The hop's sequence stopped, so no KV was kept for the other one: the decode instance
+    # prefills, and says so.
+    assert headers["X-PD-Path"] == "local; reason=first-token-stopped"
+    assert [(c["token_ids"], c["finish_reason"]) for c in choices] == want
+    _wait_pools_full(servers)
