@@ -91,9 +91,9 @@ def test_split_matches_reference(
             assert server.stop() == [], "processes left behind"
 
 
-@pytest.mark.parametrize(
-    "endpoint", ["completions", pytest.param("chat/completions", marks=pytest.mark.slow)]
-)
+# Slow: the default suite streams through the split in test_proxy.py and test_first_token.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 def test_chat_and_streaming_through_split(tiny_model: Callable[[str], str], endpoint: str) -> None:
     model = tiny_model("llama")
     p = start_instance(model, "kv_producer")

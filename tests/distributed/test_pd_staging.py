@@ -54,8 +54,10 @@ def _wait_all_free(server: RemoteServer, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-# ucx and the terminal paths run in the slow stage: the default suite keeps one staged split.
-@pytest.mark.parametrize("transport", ["nixl", pytest.param("ucx", marks=pytest.mark.slow)])
+# Slow (~40 s each): the default suite keeps host staging's unit tests
+# (tests/unit/kv_connector/test_host_staging_*.py), with the connector's real halves.
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["nixl", "ucx"])
 def test_staged_split_matches_reference(
     tiny_model: Callable[[str], str], reference: list[list[int]], transport: str
 ) -> None:
