@@ -41,6 +41,7 @@ from throughput import resolve_model  # noqa: E402
 
 from pdserve.config import ModelConfig  # noqa: E402
 from pdserve.utils import get_open_port  # noqa: E402
+from tests.utils.pd import greedy_body  # noqa: E402
 
 CLIENT = httpx.Client(
     timeout=300,
@@ -87,14 +88,7 @@ def _first_token_ms(url: str, body: dict[str, Any]) -> float:
 
 
 def _body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    return {**greedy_body(model, prompt, max_tokens), "stream": True}
 
 
 def _served_model(url: str) -> str:

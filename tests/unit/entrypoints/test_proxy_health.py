@@ -40,6 +40,17 @@ async def _silent_server() -> AsyncIterator[str]:
         server.close()
 
 
+@asynccontextmanager
+async def _proxy_client(
+    prefill: str, decode: str, **kwargs: bool
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The proxy app in this process (no lifespan: no background health checks)."""
+    app = proxy.build_proxy_app([prefill], [decode], timeout_s=0.3, **kwargs)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        yield client
+
+
 def _instance(address: str) -> proxy.Instance:
     return proxy.Instance(
         "decode", f"http://{address}", httpx.AsyncClient(base_url=f"http://{address}")
@@ -78,9 +89,7 @@ def test_late_health_checks_mark_down_only_in_a_row() -> None:
 def test_a_hop_that_times_out_fails_its_request_and_leaves_the_instance_up() -> None:
     async def run() -> None:
         async with _silent_server() as address:
-            app = proxy.build_proxy_app([address], [address], timeout_s=0.3)
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            async with _proxy_client(address, address) as client:
                 resp = await client.post("/v1/completions", json={"prompt": "hi"})
                 assert resp.status_code == 503
                 assert "ReadTimeout" in resp.json()["error"]["message"]
@@ -93,9 +102,7 @@ def test_a_hop_that_times_out_fails_its_request_and_leaves_the_instance_up() -> 
 def test_a_refused_prefill_hop_marks_it_down_and_strict_pd_names_why() -> None:
     async def run() -> None:
         address = f"127.0.0.1:{_free_port()}"
-        app = proxy.build_proxy_app([address], [address], timeout_s=0.3, strict_pd=True)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        async with _proxy_client(address, address, strict_pd=True) as client:
             resp = await client.post("/v1/completions", json={"prompt": "hi"})
             assert resp.status_code == 503
             message = resp.json()["error"]["message"]
@@ -120,9 +127,7 @@ def test_a_refused_prefill_hop_marks_it_down_and_strict_pd_names_why() -> None:
 def test_without_strict_pd_the_decode_instance_is_asked_to_prefill() -> None:
     async def run() -> None:
         address = f"127.0.0.1:{_free_port()}"
-        app = proxy.build_proxy_app([address], [address], timeout_s=0.3)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        async with _proxy_client(address, address) as client:
             resp = await client.post("/v1/completions", json={"prompt": "hi"})
             # Nobody listens there either: the fallback reached the decode instance.
             assert resp.status_code == 503
