@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import time
@@ -40,10 +39,17 @@ from prometheus_client import (
 )
 
 from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.entrypoints.proxy_instances import (
+    Instance,
+    InstancePool,
+    check_forever,
+    failed,
+    forwarded_error,
+    upstream_error,
+)
 
 logger = logging.getLogger(__name__)
 
-_HEALTH_INTERVAL_S = 2.0
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _TIMING_DESC = {
     # No commas: they separate the header's entries.
@@ -51,95 +57,6 @@ _TIMING_DESC = {
     "decode_first_byte": "decode instance: its first token (or whole response)",
     "proxy": "proxy",
 }
-# Health checks in a row that may time out before an instance is marked down: a loaded instance
-# answers late (or its accept queue overflows under a burst and the kernel drops SYNs, retried
-# after 1 s and 3 s), which is not a dead one.
-_LATE_CHECKS_TOLERATED = 2
-# Above the kernel's SYN retries (1 s, 3 s, 7 s) so that a burst of new connections to an
-# instance whose accept queue is full waits instead of failing.
-_CONNECT_TIMEOUT_S = 30.0
-
-
-@dataclass
-class Instance:
-    role: str
-    url: str
-    client: httpx.AsyncClient
-    healthy: bool = True
-    last_error: str | None = None
-    late_checks: int = 0
-
-    async def check(self) -> None:
-        try:
-            resp = await self.client.get("/health", timeout=_HEALTH_INTERVAL_S)
-            ok, why = resp.status_code == 200, f"/health answered {resp.status_code}"
-            self.late_checks = 0
-        except httpx.TimeoutException as e:
-            self.late_checks += 1
-            why = f"{type(e).__name__} on /health {self.late_checks} times in a row"
-            ok = self.healthy and self.late_checks <= _LATE_CHECKS_TOLERATED
-        except httpx.HTTPError as e:
-            ok, why, self.late_checks = False, f"{type(e).__name__}: {e}", 0
-        if ok != self.healthy:
-            logger.warning(
-                "%s instance %s is %s%s",
-                self.role,
-                self.url,
-                "back" if ok else "down",
-                "" if ok else f" ({why})",
-            )
-        self.healthy, self.last_error = ok, None if ok else why
-
-
-class InstancePool:
-    def __init__(self, role: str, addresses: list[str], timeout_s: float) -> None:
-        if not addresses:
-            raise ValueError(f"at least one {role} instance (--{role} HOST:PORT) is needed")
-        timeout = httpx.Timeout(timeout_s, connect=_CONNECT_TIMEOUT_S)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.instances = [
-            Instance(
-                role,
-                f"http://{a}",
-                httpx.AsyncClient(base_url=f"http://{a}", timeout=timeout, limits=limits),
-            )
-            for a in addresses
-        ]
-        self.role = role
-        self._next = itertools.count()
-
-    def pick(self) -> Instance:
-        n = len(self.instances)
-        start = next(self._next)
-        for i in range(n):
-            instance = self.instances[(start + i) % n]
-            if instance.healthy:
-                return instance
-        raise OpenAIError(
-            503,
-            f"No healthy {self.role} instance: "
-            + "; ".join(f"{i.url}: {i.last_error}" for i in self.instances),
-        )
-
-    def status(self) -> list[dict[str, Any]]:
-        return [{"url": i.url, "healthy": i.healthy, "error": i.last_error} for i in self.instances]
-
-    async def close(self) -> None:
-        for instance in self.instances:
-            await instance.client.aclose()
-
-
-def _failed(instance: Instance, e: Exception) -> str:
-    """Why a hop to `instance` failed. A peer that refuses or drops the connection is marked down
-    until its health check passes again; one that only timed out is left to the health checks."""
-    why = f"{type(e).__name__}: {e}"
-    if not isinstance(e, httpx.TimeoutException):
-        instance.healthy, instance.last_error = False, why
-    return f"The {instance.role} instance {instance.url} failed: {why}"
-
-
-def _upstream_error(instance: Instance, e: Exception) -> OpenAIError:
-    return OpenAIError(503, _failed(instance, e))
 
 
 @dataclass
@@ -185,16 +102,6 @@ def _as_stream(answer: dict[str, Any], endpoint: str, include_usage: bool) -> li
     return [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
 
 
-def _forwarded_error(instance: Instance, resp: httpx.Response) -> OpenAIError:
-    try:
-        message = resp.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = resp.text[:500]
-    # A client's mistake stays the client's; anything else is the upstream's failure.
-    status = resp.status_code if resp.status_code < 500 else 502
-    return OpenAIError(status, f"{instance.role} instance {instance.url}: {message}")
-
-
 def build_proxy_app(
     prefill: list[str], decode: list[str], timeout_s: float = 600.0, strict_pd: bool = False
 ) -> FastAPI:
@@ -222,14 +129,9 @@ def build_proxy_app(
         )
     }
 
-    async def health_loop() -> None:
-        while True:
-            await asyncio.gather(*(i.check() for p in pools.values() for i in p.instances))
-            await asyncio.sleep(_HEALTH_INTERVAL_S)
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(health_loop())
+        task = asyncio.create_task(check_forever(list(pools.values())))
         yield
         task.cancel()
         for pool in pools.values():
@@ -300,12 +202,12 @@ def build_proxy_app(
         try:
             resp = await instance.client.post(f"/v1/{endpoint}", json=hop, headers=headers)
         except httpx.HTTPError as e:
-            return PrefillLeg(instance, reason="prefill-failed", detail=_failed(instance, e))
+            return PrefillLeg(instance, reason="prefill-failed", detail=failed(instance, e))
         if resp.status_code >= 500:
-            detail = _forwarded_error(instance, resp).message
+            detail = forwarded_error(instance, resp).message
             return PrefillLeg(instance, reason="prefill-failed", detail=detail)
         if resp.status_code != 200:  # the client's mistake: the decode instance would agree
-            raise _forwarded_error(instance, resp)
+            raise forwarded_error(instance, resp)
         answer = resp.json()
         stopped = answer.get("choices", [{}])[0].get("finish_reason") == "stop"
         if one_token or (stopped and single):
@@ -372,11 +274,11 @@ def build_proxy_app(
         try:
             answer = await decode_instance.client.send(upstream, stream=True)
         except httpx.HTTPError as e:
-            raise _upstream_error(decode_instance, e) from None
+            raise upstream_error(decode_instance, e) from None
         if answer.status_code != 200:
             await answer.aread()
             await answer.aclose()
-            raise _forwarded_error(decode_instance, answer)
+            raise forwarded_error(decode_instance, answer)
         streaming = bool(body.get("stream"))
         chunks = answer.aiter_raw()
         try:
@@ -386,7 +288,7 @@ def build_proxy_app(
         except BaseException as e:  # the client gone too: closing aborts the decode request
             await answer.aclose()
             if isinstance(e, httpx.HTTPError):
-                raise _upstream_error(decode_instance, e) from None
+                raise upstream_error(decode_instance, e) from None
             raise
         first_byte = time.perf_counter()
         decode_s = first_byte - decode_start
@@ -407,7 +309,7 @@ def build_proxy_app(
                 async for chunk in chunks:
                     yield chunk
             except httpx.HTTPError as e:
-                yield f"data: {json.dumps(_upstream_error(decode_instance, e).body())}\n\n".encode()
+                yield f"data: {json.dumps(upstream_error(decode_instance, e).body())}\n\n".encode()
             finally:
                 in_flight.discard(request_id)
                 await answer.aclose()
@@ -429,7 +331,7 @@ def build_proxy_app(
         try:
             resp = await instance.client.get("/v1/models", headers=headers)
         except httpx.HTTPError as e:
-            raise _upstream_error(instance, e) from None
+            raise upstream_error(instance, e) from None
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
     @app.get("/metrics")

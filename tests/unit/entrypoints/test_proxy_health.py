@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from pdserve.entrypoints import proxy
+from pdserve.entrypoints import proxy, proxy_instances
 
 
 def _free_port() -> int:
@@ -52,14 +52,14 @@ async def _proxy_client(
 
 
 def _instance(address: str) -> proxy.Instance:
-    return proxy.Instance(
+    return proxy_instances.Instance(
         "decode", f"http://{address}", httpx.AsyncClient(base_url=f"http://{address}")
     )
 
 
 @pytest.fixture(autouse=True)
 def quick_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(proxy, "_HEALTH_INTERVAL_S", 0.2)
+    monkeypatch.setattr(proxy_instances, "_HEALTH_INTERVAL_S", 0.2)
 
 
 def test_refused_health_check_marks_down_at_once() -> None:
@@ -76,7 +76,7 @@ def test_late_health_checks_mark_down_only_in_a_row() -> None:
     async def run() -> None:
         async with _silent_server() as address:
             instance = _instance(address)
-            for _ in range(proxy._LATE_CHECKS_TOLERATED):
+            for _ in range(proxy_instances._LATE_CHECKS_TOLERATED):
                 await instance.check()
                 assert instance.healthy, "a late answer alone is load, not a dead instance"
             await instance.check()
