@@ -35,7 +35,7 @@ def shipped_first_token(
 
     `stop_token_ids`: the EOS ids (ignored or not) and the request's stop_token_ids. Such a
     token either ends the request (the prefill instance then hands nothing over) or was one
-    that min_tokens forbids here but not on the prefill hop (the proxy drops min_tokens there):
+    that min_tokens forbids here (a hop sent without min_tokens; pdserve's proxy keeps it as 1):
     either way the decode side samples for itself. Any other token is what this instance would
     have sampled too: greedy takes the same argmax, and seeded noise depends on (seed, position)
     alone."""

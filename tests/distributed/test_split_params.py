@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.utils.pd import start_instance
+from tests.utils.pd import greedy_body, start_instance
 from tests.utils.server import RemoteServer
 
 BLOCK = 16
@@ -132,11 +132,7 @@ def test_first_token_logprobs_come_from_the_prefill_instance(
     servers: dict[str, Any], stream: bool
 ) -> None:
     body = {
-        "model": servers["model"],
-        "prompt": _prompt(salt=3 + stream),
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
+        **greedy_body(servers["model"], _prompt(salt=3 + stream), MAX_TOKENS),
         "logprobs": 3,
         "stream": stream,
     }
@@ -160,14 +156,7 @@ def test_first_token_logprobs_come_from_the_prefill_instance(
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_echo(servers: dict[str, Any], stream: bool) -> None:
-    body = {
-        "model": servers["model"],
-        "prompt": _prompt(salt=5 + stream),
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-    }
+    body = {**greedy_body(servers["model"], _prompt(salt=5 + stream), MAX_TOKENS), "stream": stream}
     ((_, (plain,)), (_, (echoed,))) = (
         _post(servers["plain"], body),
         _post(servers["plain"], {**body, "echo": True}),
