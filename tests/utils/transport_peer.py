@@ -73,6 +73,15 @@ def _serve(
             return
 
 
+def _stopped(pid: int, tid: str) -> bool:
+    """Whether thread `tid` of `pid` is stopped (state T in /proc), or gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in "Tt"
+    except FileNotFoundError:
+        return True
+
+
 class PeerProcess:
     """One child transport; `close()` stops it (politely, then by SIGKILL) and reaps it."""
 
@@ -101,8 +110,16 @@ class PeerProcess:
         return self._recv(timeout)
 
     def freeze(self) -> None:
-        """SIGSTOP: alive, but its transport makes no progress until it is killed."""
+        """SIGSTOP: alive, but its transport makes no progress until it is killed.
+
+        Returns once every thread is stopped: the signal is delivered asynchronously, and a
+        progress thread still running serves a READ posted just after the kill() call.
+        """
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while not all(_stopped(self.pid, tid) for tid in os.listdir(f"/proc/{self.pid}/task")):
+            assert time.monotonic() < deadline, f"peer {self.pid} did not stop"
+            time.sleep(0.001)
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
