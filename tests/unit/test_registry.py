@@ -1,0 +1,43 @@
+"""The one lookup-by-name idiom: lazy entries, choices listed in the error, the field named."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pdserve.registry import Registry
+
+
+def test_entry_is_imported_on_first_get_only() -> None:
+    sys.modules.pop("json.tool", None)
+    reg: Registry[object] = Registry("formatter", "cfg.formatter", {"tool": "json.tool:main"})
+    assert "json.tool" not in sys.modules
+    import json.tool
+
+    assert reg.get("tool") is json.tool.main
+    assert reg.supported_names() == ("tool",) and "tool" in reg and "other" not in reg
+
+
+def test_unknown_name_names_the_field_and_every_choice() -> None:
+    reg: Registry[object] = Registry(
+        "formatter", "cfg.formatter", {"a": "json:dumps", "b": "json:loads"}
+    )
+    with pytest.raises(
+        ValueError, match=r"cfg\.formatter='c' is not a known formatter; choose one of: a, b\."
+    ):
+        reg.get("c")
+
+
+def test_register_rejects_a_second_entry_and_a_bad_target() -> None:
+    reg: Registry[object] = Registry("formatter", "cfg.formatter", {"a": "json:dumps"})
+    with pytest.raises(ValueError, match="registered already"):
+        reg.register("a", "json:loads")
+    with pytest.raises(ValueError, match="not 'module:attribute'"):
+        reg.register("b", "json.loads")
+
+
+def test_missing_library_propagates_as_import_error() -> None:
+    reg: Registry[object] = Registry("formatter", "cfg.formatter", {"x": "no_such_module_here:f"})
+    with pytest.raises(ImportError):
+        reg.get("x")
