@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Generic, TypeVar
 
+from pdserve.validation import check_choice
+
 T = TypeVar("T")
 
 
@@ -39,11 +41,7 @@ class Registry(Generic[T]):
 
     def check(self, name: str) -> None:
         """Raise the error that names the field and the choices, for config validation."""
-        if name not in self._entries:
-            raise ValueError(
-                f"{self.field}={name!r} is not a known {self.kind}; "
-                f"choose one of: {', '.join(self._entries)}."
-            )
+        check_choice(self.field, name, self.supported_names())
 
     def get(self, name: str) -> T:
         """The entry's object, its module imported now; ImportError propagates for the caller
