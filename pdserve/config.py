@@ -80,12 +80,11 @@ class ParallelConfig:
             raise ValueError(f"worker_cls must be 'module:Class', got {self.worker_cls!r}.")
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         check_positive("prefill_context_parallel_size", self.prefill_context_parallel_size)
-        check_choice(
-            "distributed_executor_backend",
-            self.distributed_executor_backend,
-            (None, "uni", "mp", "ray"),
-        )
-        if self.distributed_executor_backend is None:
+        if self.distributed_executor_backend is not None:
+            from pdserve.executor.base import EXECUTORS  # it imports this module
+
+            EXECUTORS.check(self.distributed_executor_backend)
+        else:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(

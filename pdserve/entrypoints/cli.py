@@ -18,6 +18,8 @@ DEMO_PROMPTS = [
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, with vLLM's names."""
+    from pdserve.executor.base import EXECUTORS
+
     parser.add_argument(
         "--model",
         default=None,
@@ -41,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     parser.add_argument(
-        "--distributed-executor-backend", choices=["uni", "mp", "ray"], default=None
+        "--distributed-executor-backend", choices=EXECUTORS.supported_names(), default=None
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(

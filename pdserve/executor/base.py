@@ -7,17 +7,34 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.config import EngineConfig
-from pdserve.executor.worker import Worker
 from pdserve.kv_connector.aggregator import KVOutputAggregator
 from pdserve.outputs import ModelRunnerOutput
+from pdserve.registry import Registry
 from pdserve.scheduler.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from pdserve.executor.worker import Worker
+
+# ParallelConfig validates against it, so this module stays light to import: the worker (and
+# the model zoo behind it) is imported where a worker is built.
+EXECUTORS: Registry[type[Executor]] = Registry(
+    "executor",
+    "distributed_executor_backend",
+    {
+        "uni": "pdserve.executor.uniproc:UniProcExecutor",
+        "mp": "pdserve.executor.multiproc:MultiprocExecutor",
+        "ray": "pdserve.executor.ray_executor:RayExecutor",
+    },
+)
 
 
 def worker_class(config: EngineConfig) -> type[Worker]:
     """The class named by `parallel_config.worker_cls`."""
+    from pdserve.executor.worker import Worker
+
     module_name, _, class_name = config.parallel_config.worker_cls.partition(":")
     cls = getattr(importlib.import_module(module_name), class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Worker)):
@@ -42,19 +59,15 @@ class Executor(ABC):
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
         backend = config.parallel_config.distributed_executor_backend
-        if backend == "uni":
-            from pdserve.executor.uniproc import UniProcExecutor
-
-            return UniProcExecutor
-        if backend == "mp":
-            from pdserve.executor.multiproc import MultiprocExecutor
-
-            return MultiprocExecutor
-        if backend == "ray":
-            from pdserve.executor.ray_executor import RayExecutor
-
-            return RayExecutor
-        raise ValueError(f"distributed_executor_backend={backend!r} is not implemented yet.")
+        assert backend is not None, "ParallelConfig picks a backend"
+        try:
+            return EXECUTORS.get(backend)
+        except ImportError as e:
+            if (e.name or "").partition(".")[0] != "ray":
+                raise
+            raise ValueError(
+                "distributed_executor_backend='ray' needs Ray: pip install 'pdserve[ray]'."
+            ) from e
 
     @abstractmethod
     def collective_rpc(

@@ -33,16 +33,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-try:
-    import ray
-    from ray.actor import ActorHandle
-    from ray.exceptions import RayActorError, RayTaskError
-    from ray.util.placement_group import PlacementGroup
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-except ImportError as e:
-    raise ValueError(
-        "distributed_executor_backend='ray' needs Ray: pip install 'pdserve[ray]'."
-    ) from e
+# Without Ray this import fails; Executor.get_class turns that into the install hint.
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import EngineConfig
 from pdserve.executor.base import Executor

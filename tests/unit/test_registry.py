@@ -39,3 +39,16 @@ def test_missing_library_propagates_as_import_error() -> None:
     reg: Registry[object] = Registry("formatter", "cfg.formatter", {"x": "no_such_module_here:f"})
     with pytest.raises(ImportError):
         reg.get("x")
+
+
+def test_executors_by_name() -> None:
+    from pdserve.executor.base import EXECUTORS
+    from pdserve.executor.multiproc import MultiprocExecutor
+    from pdserve.executor.uniproc import UniProcExecutor
+
+    assert EXECUTORS.supported_names() == ("uni", "mp", "ray")
+    assert EXECUTORS.get("uni") is UniProcExecutor and EXECUTORS.get("mp") is MultiprocExecutor
+    with pytest.raises(
+        ValueError, match=r"distributed_executor_backend must be one of 'uni', 'mp', 'ray'"
+    ):
+        EXECUTORS.check("mpi")
