@@ -90,7 +90,7 @@ def test_block_descs_coalesces_runs_consecutive_on_both_sides() -> None:
 
 
 def test_make_transport_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="nixl, ucx"):
+    with pytest.raises(ValueError, match="transport must be one of .nixl., .ucx."):
         make_transport("rdma", "x")
 
 

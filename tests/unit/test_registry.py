@@ -52,3 +52,14 @@ def test_executors_by_name() -> None:
         ValueError, match=r"distributed_executor_backend must be one of 'uni', 'mp', 'ray'"
     ):
         EXECUTORS.check("mpi")
+
+
+def test_transports_by_name() -> None:
+    from pdserve.kv_connector.transport import BACKENDS, TRANSPORTS
+
+    assert BACKENDS == TRANSPORTS.supported_names() == ("nixl", "ucx")
+    with pytest.raises(
+        ValueError,
+        match=r"kv_transfer_config\.kv_connector_extra_config\.transport must be one of 'nixl'",
+    ):
+        TRANSPORTS.check("tcp")

@@ -2,6 +2,7 @@
 
 from pdserve.kv_connector.transport.base import (
     BACKENDS,
+    TRANSPORTS,
     Desc,
     Transport,
     XferState,
@@ -9,4 +10,12 @@ from pdserve.kv_connector.transport.base import (
     make_transport,
 )
 
-__all__ = ["BACKENDS", "Desc", "Transport", "XferState", "block_descs", "make_transport"]
+__all__ = [
+    "BACKENDS",
+    "TRANSPORTS",
+    "Desc",
+    "Transport",
+    "XferState",
+    "block_descs",
+    "make_transport",
+]

@@ -11,11 +11,13 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import torch
 
 from pdserve import envs
+from pdserve.registry import Registry
 
 
 class XferState(enum.Enum):
@@ -196,7 +198,17 @@ def block_descs(
     return local, remote
 
 
-BACKENDS = ("nixl", "ucx")
+TRANSPORTS: Registry[type[Transport]] = Registry(
+    "KV transport",
+    "kv_transfer_config.kv_connector_extra_config.transport",
+    {
+        "nixl": "pdserve.kv_connector.transport.nixl:NixlTransport",
+        "ucx": "pdserve.kv_connector.transport.ucx:UcxTransport",
+    },
+)
+BACKENDS = TRANSPORTS.supported_names()
+# The package that brings each backend's library, for the error when it cannot be imported.
+_INSTALL_HINTS = {"nixl": "pip install nixl-cu12==1.5.1", "ucx": "pip install ucxx-cu12==0.52.0"}
 # The ucx backend's shared-memory defaults plus UCX's CUDA copy and IPC transports.
 CUDA_TLS = "self,posix,cuda_copy,cuda_ipc"
 
@@ -209,38 +221,24 @@ def make_transport(
     ucx_tls: str | None = None,
     device_memory: bool = False,
 ) -> Transport:
-    """The transport `name` ("nixl" or "ucx"); its library is imported only when chosen.
+    """The transport `name` (one of BACKENDS); its library is imported only when chosen.
 
     `ucx_tls` overrides the ucx backend's UCX transports (e.g. "self,posix,tcp" between hosts);
     `device_memory`: CUDA regions will be registered (the ucx backend adds UCX's CUDA
     transports to its defaults). Where PDSERVE_KV_FAULT_PLAN is set (tests), the transport comes
     wrapped in the fault-injecting one.
     """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(BACKENDS)}.")
-    cls: type[Transport]
     try:
-        if name == "nixl":
-            from pdserve.kv_connector.transport.nixl import NixlTransport
-
-            cls = NixlTransport
-        else:
-            from pdserve.kv_connector.transport.ucx import UcxTransport
-
-            cls = UcxTransport
+        cls = TRANSPORTS.get(name)
     except ImportError as e:
-        install = {
-            "nixl": "pip install nixl-cu12==1.5.1",
-            "ucx": "pip install ucxx-cu12==0.52.0",
-        }[name]
-        raise RuntimeError(f"transport {name!r} cannot import its library ({e}); {install}") from e
+        raise RuntimeError(
+            f"transport {name!r} cannot import its library ({e}); {_INSTALL_HINTS[name]}"
+        ) from e
+    kwargs: dict[str, Any] = {}
     if name == "ucx":
         tls = ucx_tls or (CUDA_TLS if device_memory else None)
-        transport = UcxTransport(
-            agent_name, host, timeout_s, ucx_config={"TLS": tls} if tls else None
-        )
-    else:
-        transport = cls(agent_name, host, timeout_s)
+        kwargs["ucx_config"] = {"TLS": tls} if tls else None
+    transport = cls(agent_name, host, timeout_s, **kwargs)
     plan = envs.kv_fault_plan()
     if plan is None:
         return transport
