@@ -5,11 +5,12 @@ Model classes are imported on first use, so reading the registry stays cheap.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from pdserve.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -22,16 +23,20 @@ class ModelInfo:
     unsupported_reason: str | None = None
 
 
-# architecture -> (module under pdserve.models, class name)
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
-    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
-    "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
-    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
-}
+# The HF architectures pdserve runs (several may share a class).
+MODELS: Registry[type[nn.Module]] = Registry(
+    "model architecture",
+    "architectures",
+    {
+        "LlamaForCausalLM": "pdserve.models.llama:LlamaForCausalLM",
+        "MistralForCausalLM": "pdserve.models.llama:LlamaForCausalLM",
+        "Qwen2ForCausalLM": "pdserve.models.llama:Qwen2ForCausalLM",
+        "Qwen3ForCausalLM": "pdserve.models.llama:Qwen3ForCausalLM",
+        "OPTForCausalLM": "pdserve.models.opt:OPTForCausalLM",
+        "Qwen2MoeForCausalLM": "pdserve.models.qwen2_moe:Qwen2MoeForCausalLM",
+        "MixtralForCausalLM": "pdserve.models.mixtral:MixtralForCausalLM",
+    },
+)
 
 _NO_STATE_CACHE = "pdserve caches attention keys and values, and has no cache for recurrent state"
 
@@ -67,13 +72,13 @@ _UNSUPPORTED: dict[str, ModelInfo] = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(MODELS.supported_names())
 
 
 def get_model_info(architectures: list[str]) -> ModelInfo:
     """The first of `architectures` that pdserve recognizes (runnable or not)."""
     for arch in architectures:
-        if arch in _MODELS:
+        if arch in MODELS:
             return ModelInfo(arch)
         if arch in _UNSUPPORTED:
             return _UNSUPPORTED[arch]
@@ -90,9 +95,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
             f"Architecture {architecture} is recognized, but pdserve cannot run it: "
             f"{info.unsupported_reason}."
         )
-    module_name, class_name = _MODELS[architecture]
-    module = importlib.import_module(f"pdserve.models.{module_name}")
-    return getattr(module, class_name)
+    return MODELS.get(architecture)
 
 
 def num_experts(hf_config: Any) -> int:

@@ -63,3 +63,17 @@ def test_transports_by_name() -> None:
         match=r"kv_transfer_config\.kv_connector_extra_config\.transport must be one of 'nixl'",
     ):
         TRANSPORTS.check("tcp")
+
+
+def test_models_and_activations_by_name() -> None:
+    from torch import nn
+
+    from pdserve.models.layers.activation import get_act_fn
+    from pdserve.models.llama import LlamaForCausalLM
+    from pdserve.models.registry import MODELS
+
+    assert MODELS.get("MistralForCausalLM") is LlamaForCausalLM
+    assert "MambaForCausalLM" not in MODELS  # recognized but refused: models/registry.py says why
+    assert isinstance(get_act_fn("gelu"), nn.GELU)
+    with pytest.raises(ValueError, match=r"hidden_act must be one of 'relu', 'silu', 'gelu'"):
+        get_act_fn("swish")

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import elementwise_cpu
+from pdserve.registry import Registry
 
 
 class SiluAndMul(nn.Module):
@@ -19,15 +20,15 @@ class SiluAndMul(nn.Module):
         return F.silu(x[..., :d]) * x[..., d:]
 
 
-_ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "silu": nn.SiLU, "gelu": nn.GELU}
+ACTIVATIONS: Registry[type[nn.Module]] = Registry(
+    "activation function",
+    "hidden_act",
+    {"relu": "torch.nn:ReLU", "silu": "torch.nn:SiLU", "gelu": "torch.nn:GELU"},
+)
 
 
 def get_act_fn(name: str) -> nn.Module:
-    if name not in _ACTIVATIONS:
-        raise ValueError(
-            f"Activation function {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}."
-        )
-    return _ACTIVATIONS[name]()
+    return ACTIVATIONS.get(name)()
 
 
 def check_gated_act(name: str) -> None:
