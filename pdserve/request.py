@@ -11,10 +11,12 @@ from pdserve.sampling_params import SamplingParams
 
 
 class FinishReason(enum.IntEnum):
+    """Why the engine ended a request, as its last output says. An aborted request has none: the
+    engine sends it no output, its front end reports the abort."""
+
     STOP = 0
     LENGTH = 1
-    ABORT = 2
-    ERROR = 3
+    ERROR = 2
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -30,7 +32,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    FINISHED_IGNORED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
     @staticmethod
@@ -45,8 +46,6 @@ class RequestStatus(enum.IntEnum):
 _FINISHED_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
-    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
