@@ -15,6 +15,7 @@ import torch
 from pdserve import envs
 from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.model_config import ModelConfig
+from pdserve.unsupported import UNSUPPORTED_FEATURES
 from pdserve.validation import check_choice, check_positive
 
 logger = logging.getLogger(__name__)
@@ -23,8 +24,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES = frozenset(
     {"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"}
 )
-# Speculative methods Model Runner V2 accepts (pdserve itself implements none yet).
-V2_SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp")
 
 
 @dataclass
@@ -32,7 +31,6 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
-    kv_sharing_fast_prefill: bool = False
 
     def __post_init__(self) -> None:
         check_choice("block_size", self.block_size, (1, 2, 4, 8, 16, 32, 64, 128))
@@ -68,8 +66,6 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
-    prefill_context_parallel_size: int = 1
-    enable_dbo: bool = False
     # "module:Class" of the worker each rank runs (vLLM's worker_cls): an extension point, and
     # how benchmarks swap in a model-free worker.
     worker_cls: str = "pdserve.executor.worker:Worker"
@@ -79,7 +75,6 @@ class ParallelConfig:
         if ":" not in self.worker_cls:
             raise ValueError(f"worker_cls must be 'module:Class', got {self.worker_cls!r}.")
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
-        check_positive("prefill_context_parallel_size", self.prefill_context_parallel_size)
         if self.distributed_executor_backend is not None:
             from pdserve.executor.base import EXECUTORS  # it imports this module
 
@@ -104,8 +99,6 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer_config: KVTransferConfig | dict[str, Any] | None = None
-    speculative_config: dict[str, Any] | None = None
-    ec_transfer_config: dict[str, Any] | None = None
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -123,12 +116,11 @@ class EngineConfig:
                 )
         if self.use_v2_model_runner:
             self._validate_v2_model_runner()
-        else:
-            self._validate_v1_model_runner()
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> EngineConfig:
-        """Build from vLLM's flat engine-argument names (`LLM(...)`, the CLI)."""
+        """Build from vLLM's flat engine-argument names (`LLM(...)`, the CLI); those of the
+        features pdserve does not implement (unsupported.py) are refused unless left off."""
         parts: dict[type, dict[str, Any]] = {
             ModelConfig: {},
             CacheConfig: {},
@@ -137,6 +129,9 @@ class EngineConfig:
         }
         top: dict[str, Any] = {}
         for name, value in kwargs.items():
+            if name in UNSUPPORTED_FEATURES:
+                UNSUPPORTED_FEATURES[name].check(value)
+                continue
             owner = _ENGINE_ARG_OWNERS.get(name)
             if owner is None:
                 raise ValueError(
@@ -219,25 +214,15 @@ class EngineConfig:
         return True
 
     def _get_v2_model_runner_unsupported_features(self) -> list[str]:
-        mc, par = self.model_config, self.parallel_config
+        """What V2 lacks of what this engine does; the features of vLLM's list that neither
+        runner has (speculative decoding, dual batch overlap, ...) are refused before, as
+        engine arguments (unsupported.py)."""
+        mc = self.model_config
         features = []
         if getattr(mc, "has_inner_state", False):
             features.append("hybrid/mamba models")
-        if par.prefill_context_parallel_size > 1:
-            features.append("prefill context parallelism")
-        method = (self.speculative_config or {}).get("method")
-        if self.speculative_config is not None and method not in V2_SPECULATIVE_METHODS:
-            features.append(f"speculative method '{method}'")
-        if par.enable_dbo:
-            features.append("dual batch overlap")
-        if mc.enable_return_routed_experts:
-            features.append("routed experts capture")
         if mc.logits_processors:
             features.append("custom logits processors")
-        if self.cache_config.kv_sharing_fast_prefill:
-            features.append("KV sharing fast prefill")
-        if self.ec_transfer_config is not None:
-            features.append("EC transfer")
         return features
 
     @cached_property
@@ -265,25 +250,6 @@ class EngineConfig:
         features = self._get_v2_model_runner_unsupported_features()
         if features:
             raise ValueError("Model Runner V2 does not yet support: " + ", ".join(features))
-        self._validate_engine_features()
-
-    def _validate_v1_model_runner(self) -> None:
-        # Runner V1 implements custom logits processors; everything else V2 lacks, V1 lacks too.
-        features = [
-            f
-            for f in self._get_v2_model_runner_unsupported_features()
-            if f != "custom logits processors"
-        ]
-        if features:
-            raise ValueError("Model Runner V1 does not support: " + ", ".join(features))
-        self._validate_engine_features()
-
-    def _validate_engine_features(self) -> None:
-        if self.speculative_config is not None:
-            raise ValueError(
-                "speculative_config: pdserve does not implement speculative decoding "
-                f"(method {self.speculative_config.get('method')!r})."
-            )
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -302,7 +268,5 @@ _ENGINE_ARG_OWNERS: dict[str, type] = {
     **{n: SchedulerConfig for n in SchedulerConfig.__dataclass_fields__},
     **{n: ParallelConfig for n in ParallelConfig.__dataclass_fields__},
     "kv_transfer_config": EngineConfig,
-    "speculative_config": EngineConfig,
-    "ec_transfer_config": EngineConfig,
     "device": EngineConfig,
 }

@@ -29,10 +29,8 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    runner_type: str = "generate"
     # Callables (output_token_ids, logits) -> logits applied per request (runner V1 only).
     logits_processors: list[Callable[..., torch.Tensor]] | None = None
-    enable_return_routed_experts: bool = False
     # Off: runner V2 captures CUDA graphs of decode (and small mixed) steps on CUDA devices.
     enforce_eager: bool = False
     # The name clients put in "model" (vLLM's name); default: the model path as given.
@@ -43,7 +41,6 @@ class ModelConfig:
         from pdserve.models import loader, registry
 
         check_choice("dtype", self.dtype, ("auto", *_DTYPES))
-        check_choice("runner_type", self.runner_type, ("generate",))
         self.source = loader.resolve_model_source(self.model)
         self.hf_config = loader.load_hf_config(self.source)
         self.architectures: list[str] = list(getattr(self.hf_config, "architectures", None) or [])
@@ -68,6 +65,11 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={derived}."
             )
+
+    @property
+    def runner_type(self) -> str:
+        """The one runner pdserve has; vLLM's `runner` engine argument picks no other."""
+        return "generate"
 
     @property
     def name(self) -> str:

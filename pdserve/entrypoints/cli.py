@@ -9,6 +9,8 @@ import os
 import sys
 import time
 
+from pdserve.unsupported import UNSUPPORTED_FEATURES
+
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -55,6 +57,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='KV connector settings as JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\'',
     )
+    # vLLM's flags for what pdserve does not implement: parsed, so that the configuration says
+    # which feature is missing rather than argparse calling the flag unknown.
+    for f in UNSUPPORTED_FEATURES.values():
+        flags = (f.flag, f.short_flag) if f.short_flag else (f.flag,)
+        if f.kind is bool:
+            kind: dict = {"action": argparse.BooleanOptionalAction}
+        else:
+            kind = {"type": _json_object if f.kind is dict else f.kind}
+        parser.add_argument(*flags, dest=f.arg, default=f.off[0], help=argparse.SUPPRESS, **kind)
 
 
 def _json_object(value: str) -> dict:
@@ -86,7 +97,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "served_model_name",
         "kv_transfer_config",
     ]
-    return {n: getattr(args, n) for n in names}
+    return {n: getattr(args, n) for n in [*names, *UNSUPPORTED_FEATURES]}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -85,52 +85,29 @@ def test_explicit_env_wins(monkeypatch, tiny_model):
     assert make_config(tiny_model("llama")).use_v2_model_runner is False
 
 
-UNSUPPORTED = [
-    (
-        {"parallel_config": ParallelConfig(prefill_context_parallel_size=2)},
-        "prefill context parallelism",
-    ),
-    ({"speculative_config": {"method": "ngram"}}, "speculative method 'ngram'"),
-    ({"parallel_config": ParallelConfig(enable_dbo=True)}, "dual batch overlap"),
-    ({"enable_return_routed_experts": True}, "routed experts capture"),
-    ({"logits_processors": [lambda ids, logits: logits]}, "custom logits processors"),
-    ({"cache_config": CacheConfig(kv_sharing_fast_prefill=True)}, "KV sharing fast prefill"),
-    ({"ec_transfer_config": {"ec_connector": "x"}}, "EC transfer"),
-]
-
-
 def build(tiny_path: str, overrides: dict) -> EngineConfig:
     from pdserve.config import ModelConfig
 
-    model_kwargs = {
-        k: overrides.pop(k)
-        for k in ("enable_return_routed_experts", "logits_processors")
-        if k in overrides
-    }
+    model_kwargs = {k: overrides.pop(k) for k in ("logits_processors",) if k in overrides}
     return EngineConfig(model_config=ModelConfig(model=tiny_path, **model_kwargs), **overrides)
 
 
-@pytest.mark.parametrize("overrides,feature", UNSUPPORTED, ids=[f for _, f in UNSUPPORTED])
-def test_forced_v2_names_each_unsupported_feature(monkeypatch, tiny_model, overrides, feature):
+def test_forced_v2_names_what_it_lacks(monkeypatch, tiny_model):
     monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match="Model Runner V2 does not yet support: ") as e:
-        build(tiny_model("llama"), dict(overrides))
-    assert feature in str(e.value)
+    with pytest.raises(
+        ValueError, match="^Model Runner V2 does not yet support: custom logits processors$"
+    ):
+        build(tiny_model("llama"), {"logits_processors": [lambda ids, logits: logits]})
 
 
-def test_validation_lists_every_feature(monkeypatch, tiny_model):
-    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
-    overrides = {
-        "parallel_config": ParallelConfig(prefill_context_parallel_size=2, enable_dbo=True),
-        "cache_config": CacheConfig(kv_sharing_fast_prefill=True),
-        "ec_transfer_config": {},
-    }
-    with pytest.raises(ValueError) as e:
-        build(tiny_model("llama"), overrides)
-    assert str(e.value) == (
-        "Model Runner V2 does not yet support: prefill context parallelism, dual batch overlap, "
-        "KV sharing fast prefill, EC transfer"
+def test_validation_lists_every_feature():
+    # Hybrid models are refused by ModelConfig already (models/registry.py), so only a stand-in
+    # model config reaches this check with both.
+    mc = SimpleNamespace(has_inner_state=True, logits_processors=[lambda ids, logits: logits])
+    features = EngineConfig._get_v2_model_runner_unsupported_features(
+        SimpleNamespace(model_config=mc)
     )
+    assert features == ["hybrid/mamba models", "custom logits processors"]
 
 
 def test_fallback_to_v1_warns_once(monkeypatch, tiny_model, caplog):
@@ -143,18 +120,6 @@ def test_fallback_to_v1_warns_once(monkeypatch, tiny_model, caplog):
     assert warnings == [
         "Model Runner V2 does not yet support custom logits processors; using the V1 model runner instead."
     ]
-
-
-def test_v1_rejects_what_neither_runner_does(monkeypatch, tiny_model):
-    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "0")
-    with pytest.raises(ValueError, match="Model Runner V1 does not support: dual batch overlap"):
-        build(tiny_model("llama"), {"parallel_config": ParallelConfig(enable_dbo=True)})
-
-
-def test_supported_speculative_method_is_still_not_implemented(monkeypatch, tiny_model):
-    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match="speculative_config.*eagle"):
-        build(tiny_model("llama"), {"speculative_config": {"method": "eagle"}})
 
 
 @pytest.mark.parametrize(
