@@ -12,7 +12,8 @@ import msgspec
 class LogprobsLists(msgspec.Struct, array_like=True):
     """Top-k log-probabilities per sampled token, row i for `req_ids[i]` of the step.
 
-    Column 0 is the sampled token; columns 1.. are the k most likely tokens.
+    Column 0 is the sampled token; columns 1.. are the k most likely tokens. A request's prompt
+    logprobs are one such table too: row i for prompt position i + 1, column 0 its prompt token.
     """
 
     logprob_token_ids: list[list[int]]
@@ -43,11 +44,20 @@ class ModelRunnerOutput:
     """One step of the runner: row i is `req_ids[i]`, in the runner's batch order.
 
     `sampled_token_ids[i]` lists the tokens request i sampled: empty in the middle of a chunked
-    prefill. Not a msgspec Struct: its wire form (executor/wire.py) packs the tokens and leaves
-    out `req_id_to_index`, which is derived from `req_ids` when first read.
+    prefill. `prompt_logprobs_dict` holds the prompt logprobs of the requests that asked for
+    them and sampled their first token in this step (None: no such request). Not a msgspec
+    Struct: its wire form (executor/wire.py) packs the tokens and leaves out
+    `req_id_to_index`, which is derived from `req_ids` when first read.
     """
 
-    __slots__ = ("req_ids", "sampled_token_ids", "logprobs", "kv_connector_output", "_index")
+    __slots__ = (
+        "req_ids",
+        "sampled_token_ids",
+        "logprobs",
+        "kv_connector_output",
+        "prompt_logprobs_dict",
+        "_index",
+    )
 
     def __init__(
         self,
@@ -55,6 +65,7 @@ class ModelRunnerOutput:
         sampled_token_ids: list[list[int]],
         logprobs: LogprobsLists | None = None,
         kv_connector_output: KVConnectorOutput | None = None,
+        prompt_logprobs_dict: dict[str, LogprobsLists] | None = None,
         *,
         req_id_to_index: dict[str, int] | None = None,  # when the caller has it already
     ) -> None:
@@ -62,6 +73,7 @@ class ModelRunnerOutput:
         self.sampled_token_ids = sampled_token_ids
         self.logprobs = logprobs
         self.kv_connector_output = kv_connector_output
+        self.prompt_logprobs_dict = prompt_logprobs_dict
         self._index = req_id_to_index
 
     @property
@@ -78,13 +90,15 @@ class ModelRunnerOutput:
             and self.sampled_token_ids == other.sampled_token_ids
             and self.logprobs == other.logprobs
             and self.kv_connector_output == other.kv_connector_output
+            and self.prompt_logprobs_dict == other.prompt_logprobs_dict
         )
 
     def __repr__(self) -> str:
         return (
             f"ModelRunnerOutput(req_ids={self.req_ids!r}, "
             f"sampled_token_ids={self.sampled_token_ids!r}, logprobs={self.logprobs!r}, "
-            f"kv_connector_output={self.kv_connector_output!r})"
+            f"kv_connector_output={self.kv_connector_output!r}, "
+            f"prompt_logprobs_dict={self.prompt_logprobs_dict!r})"
         )
 
 
@@ -103,6 +117,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     # With finish_reason ERROR: why the request failed, for its client.
     error: str | None = None
+    # With the request's first token, if it asked for them (LogprobsLists' prompt form).
+    prompt_logprobs: LogprobsLists | None = None
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -142,6 +158,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (a
+    # DELTA stream has them in its first output only).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

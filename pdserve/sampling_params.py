@@ -11,7 +11,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Sampling parameters with vLLM's names and defaults.
 
     `top_k` 0 or -1 disables top-k. `logprobs` asks for the log-probabilities of that many
-    most likely tokens per generated token (the sampled token's is always included).
+    most likely tokens per generated token (the sampled token's is always included);
+    `prompt_logprobs` the same at every prompt position but the first (the prompt token's own,
+    its rank and the top k), returned once, with the request's first output. A request that
+    asks for them takes no prefix-cache hits: every prompt position is computed.
     """
 
     n: int = 1
@@ -27,6 +30,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -63,6 +67,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             )
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -86,6 +86,8 @@ class _RequestState:
     output_kind: RequestOutputKind
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # DELTA: they go in one output
 
     @property
     def finished(self) -> bool:
@@ -96,8 +98,13 @@ class _RequestState:
         kind = self.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
+        prompt_logprobs = self.prompt_logprobs
         if kind == RequestOutputKind.DELTA:
             outputs = [s.delta() for s in updated]
+            if self.prompt_logprobs_sent:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                self.prompt_logprobs_sent = True
         else:
             outputs = [s.completion() for s in self.sequences]
         return RequestOutput(
@@ -108,6 +115,7 @@ class _RequestState:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_params=self.kv_transfer_params,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -193,6 +201,8 @@ class OutputProcessor:
             seq.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and seq.logprobs is not None:
                 self._append_logprobs(seq, out.new_logprobs)
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = self._prompt_logprobs(out.prompt_logprobs)
             stop_str = seq.detokenizer.update(out.new_token_ids)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.kv_transfer_params is not None:
@@ -250,3 +260,24 @@ class OutputProcessor:
             }
             seq.logprobs.append(entry)
             seq.cumulative_logprob += values[0]
+
+    def _prompt_logprobs(self, lp: LogprobsLists) -> list[dict[int, Logprob] | None]:
+        """vLLM's form: None for the first prompt token, then one entry per position, the
+        prompt token first (with its rank), then the top ones (rank 1, 2, ...)."""
+        decoded: dict[int, str] = {}  # a prompt's rows share most of their tokens
+
+        def decode(tid: int) -> str:
+            text = decoded.get(tid)
+            if text is None:
+                text = decoded[tid] = self.tokenizer.decode([tid])
+            return text
+
+        entries: list[dict[int, Logprob] | None] = [None]
+        for ids, values, rank in zip(lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks):
+            entries.append(
+                {
+                    tid: Logprob(value, rank if j == 0 else j, decode(tid))
+                    for j, (tid, value) in enumerate(zip(ids, values))
+                }
+            )
+        return entries

@@ -59,6 +59,7 @@ class ModelRunnerOutputWire(msgspec.Struct, array_like=True, omit_defaults=True)
     req_ids: list[str] | None = None
     logprobs: LogprobsLists | None = None
     kv_connector_output: KVConnectorOutput | None = None
+    prompt_logprobs_dict: dict[str, LogprobsLists] | None = None
 
 
 def _scheduled_ids(call_args: tuple[Any, ...]) -> list[str] | None:
@@ -71,7 +72,13 @@ def model_runner_output_to_wire(
 ) -> ModelRunnerOutputWire:
     sampled, lengths = pack_rows(output.sampled_token_ids)
     wire = ModelRunnerOutputWire(
-        sampled, lengths, None, None, output.logprobs, output.kv_connector_output
+        sampled,
+        lengths,
+        None,
+        None,
+        output.logprobs,
+        output.kv_connector_output,
+        output.prompt_logprobs_dict,
     )
     scheduled = _scheduled_ids(call_args)
     if scheduled is None:
@@ -101,6 +108,7 @@ def model_runner_output_from_wire(
         unpack_rows(wire.sampled, wire.sampled_lengths),
         wire.logprobs,
         wire.kv_connector_output,
+        wire.prompt_logprobs_dict,
     )
 
 

@@ -21,6 +21,11 @@ from pdserve.models import loader
 from pdserve.models.utils import KVCacheGeometry, kv_cache_geometry
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
 from pdserve.runners.inputs import StepInputs
+from pdserve.runners.prompt_logprobs import (
+    PromptChunk,
+    PromptLogprobsTracker,
+    compute_prompt_logprobs,
+)
 from pdserve.runners.sampler import Sampler, SamplingMetadata
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.output import SchedulerOutput
@@ -58,6 +63,7 @@ class ModelRunnerBase:
         self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         self.eos_token_ids = self.model_config.eos_token_ids
         self.sampler = Sampler(use_kernels=use_sampling_kernels)
+        self.prompt_logprobs = PromptLogprobsTracker()
         self.model: torch.nn.Module | None = None
         self.kv_cache_geometry: KVCacheGeometry | None = None
         self.kv_cache: torch.Tensor | None = None
@@ -102,9 +108,20 @@ class ModelRunnerBase:
 
     @torch.inference_mode()
     def forward_and_sample(
-        self, inputs: StepInputs, rows: list[SamplingRow]
+        self,
+        inputs: StepInputs,
+        rows: list[SamplingRow],
+        prompt_chunks: list[PromptChunk] | None = None,
     ) -> tuple[list[int], LogprobsLists | None]:
+        """The step's tokens (and their logprobs); the prompt logprobs of `prompt_chunks` go to
+        `self.prompt_logprobs`."""
         hidden = self._forward(inputs)
+        if prompt_chunks and hidden is not None:
+            prompt_rows = compute_prompt_logprobs(
+                hidden, prompt_chunks, self.model.compute_logits, self.sampler.topk_logprobs
+            )
+            for chunk, chunk_rows in zip(prompt_chunks, prompt_rows):
+                self.prompt_logprobs.record(chunk, chunk_rows)
         if not rows:
             return [], None
         if hidden is None:
@@ -161,20 +178,25 @@ class ModelRunnerBase:
             )
         return out.sampled_token_ids, logprobs
 
-    @staticmethod
     def make_output(
+        self,
         req_ids: list[str],
         sampled: dict[str, int],
         logprobs: LogprobsLists | None,
         sampling_req_ids: list[str],
     ) -> ModelRunnerOutput:
-        """Rows in batch order; requests still in a chunked prefill get no token."""
+        """Rows in batch order; requests still in a chunked prefill get no token. The requests
+        that sampled their first token get their prompt logprobs, if they are owed them."""
         if logprobs is not None:
             logprobs = _scatter_logprobs(logprobs, sampling_req_ids, req_ids)
+        prompt_logprobs = None
+        if self.prompt_logprobs.pending and sampling_req_ids:
+            prompt_logprobs = self.prompt_logprobs.pop_sampled(sampling_req_ids)
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
             logprobs=logprobs,
+            prompt_logprobs_dict=prompt_logprobs,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

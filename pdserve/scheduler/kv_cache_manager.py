@@ -29,8 +29,12 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of cached full blocks at the start of the request, and its token count."""
-        if not self.enable_caching:
+        """Longest run of cached full blocks at the start of the request, and its token count.
+
+        No hits for a request that asks for prompt logprobs: every prompt position must be
+        computed for them (its own blocks are still cached for others, as vLLM's).
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self.block_hasher(request)
         # The last token is always recomputed, for its logits; that can cost a whole block.

@@ -134,3 +134,14 @@ def attach_logprobs(
             logprobs.logprobs[row : row + 1],
             logprobs.sampled_token_ranks[row : row + 1],
         )
+
+
+def attach_prompt_logprobs(
+    outputs: list[EngineCoreOutput], prompt_logprobs_dict: dict[str, LogprobsLists]
+) -> None:
+    """Each with its request's first token (a token dropped as stale drops them too: the
+    runner computes them again when the request's prompt is)."""
+    for output in outputs:
+        prompt_logprobs = prompt_logprobs_dict.get(output.request_id)
+        if prompt_logprobs is not None:
+            output.prompt_logprobs = prompt_logprobs

@@ -31,7 +31,12 @@ from pdserve.scheduler.request_queue import (
     create_request_queue,
     select_victim,
 )
-from pdserve.scheduler.sampled_tokens import apply_sampled_tokens, attach_logprobs, sampled_rows
+from pdserve.scheduler.sampled_tokens import (
+    apply_sampled_tokens,
+    attach_logprobs,
+    attach_prompt_logprobs,
+    sampled_rows,
+)
 from pdserve.scheduler.stats import SchedulerStats
 from pdserve.scheduler.step import StepDecisions, StepsInFlight, advance_requests
 
@@ -270,6 +275,8 @@ class Scheduler:
             self.running = [r for r in self.running if r not in ended]
         if model_runner_output.logprobs is not None:
             attach_logprobs(outputs, model_runner_output)
+        if model_runner_output.prompt_logprobs_dict:
+            attach_prompt_logprobs(outputs, model_runner_output.prompt_logprobs_dict)
         if model_runner_output.kv_connector_output is not None:
             outputs += self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
         return outputs

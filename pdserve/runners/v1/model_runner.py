@@ -27,6 +27,7 @@ class ModelRunnerV1(ModelRunnerBase):
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
+            self.prompt_logprobs.remove_request(req_id)
         # Unscheduled requests (preempted, or skipped this step) leave the batch but keep state.
         for req_id in [r for r in batch.req_ids if r not in so.num_scheduled_tokens]:
             batch.remove_request(req_id)
@@ -43,6 +44,9 @@ class ModelRunnerV1(ModelRunnerBase):
                 state.output_token_ids = new.prefill_token_ids[len(new.prompt_token_ids) :]
             self.requests[new.req_id] = state
             batch.add_request(state)
+            self.prompt_logprobs.add_request(
+                new.req_id, new.sampling_params, new.prompt_token_ids, len(state.output_token_ids)
+            )
 
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -57,6 +61,13 @@ class ModelRunnerV1(ModelRunnerBase):
             all_token_ids = cached.all_token_ids.get(req_id)
             if all_token_ids is not None:
                 state.output_token_ids = all_token_ids[len(state.prompt_token_ids) :]
+            if resumed:  # its first token may have been dropped (sampled while it was preempted)
+                self.prompt_logprobs.add_request(
+                    req_id,
+                    state.sampling_params,
+                    state.prompt_token_ids,
+                    len(state.output_token_ids),
+                )
 
             row = batch.req_id_to_index.get(req_id)
             if row is None:
@@ -100,7 +111,16 @@ class ModelRunnerV1(ModelRunnerBase):
         )
         sampling_req_ids = [req_ids[i] for i in sampling_rows]
         rows = [self._sampling_row(self.requests[r]) for r in sampling_req_ids]
-        sampled, logprobs = self.forward_and_sample(inputs, rows)
+        prompt_chunks = None
+        if self.prompt_logprobs.pending:
+            starts = cu_num_scheduled - num_scheduled
+            index = batch.req_id_to_index
+            prompt_chunks = self.prompt_logprobs.chunks(
+                (r, int(batch.num_computed_tokens[i]), int(num_scheduled[i]), int(starts[i]))
+                for r in self.prompt_logprobs.pending
+                if (i := index.get(r)) is not None
+            )
+        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks)
 
         for row, req_id, token in zip(sampling_rows.tolist(), sampling_req_ids, sampled):
             self.requests[req_id].output_token_ids.append(token)

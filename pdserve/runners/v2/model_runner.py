@@ -68,8 +68,15 @@ class ModelRunnerV2(ModelRunnerBase):
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | (so.preempted_req_ids or set()):
             self.states.remove_request(req_id)
+        for req_id in so.finished_req_ids:
+            self.prompt_logprobs.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             self.states.add_request(new)
+            prefill = new.prefill_token_ids or new.prompt_token_ids
+            num_output_tokens = len(prefill) - len(new.prompt_token_ids)
+            self.prompt_logprobs.add_request(
+                new.req_id, new.sampling_params, new.prompt_token_ids, num_output_tokens
+            )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             idx = self.states.req_id_to_index[req_id]
@@ -102,7 +109,16 @@ class ModelRunnerV2(ModelRunnerBase):
             )
             for i in sampling_idx
         ]
-        sampled, logprobs = self.forward_and_sample(inputs, rows)
+        prompt_chunks = None
+        if self.prompt_logprobs.pending:
+            position = dict(zip(req_ids, range(len(req_ids))))
+            starts = np.cumsum(query_lens) - query_lens
+            prompt_chunks = self.prompt_logprobs.chunks(
+                (r, int(seq_lens[j] - query_lens[j]), int(query_lens[j]), int(starts[j]))
+                for r in self.prompt_logprobs.pending
+                if (j := position.get(r)) is not None
+            )
+        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks)
         if sampled:
             states.append_sampled(sampling_idx, sampled)
         return self.make_output(

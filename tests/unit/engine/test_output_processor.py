@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.output_processor import OutputProcessor
-from pdserve.outputs import EngineCoreOutput, LogprobsLists, RequestOutputKind
+from pdserve.outputs import EngineCoreOutput, Logprob, LogprobsLists, RequestOutputKind
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
 from tests.utils.tiny_models import make_tokenizer
@@ -100,3 +100,36 @@ def test_n_sequences_deltas_carry_only_the_updated_ones(tokenizer) -> None:
     )
     assert [c.index for c in updates[0].output.outputs] == [1]
     assert updates[0].finish_reasons == ["length"] and not updates[0].finished
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_prompt_logprobs_come_with_the_first_token(tokenizer, kind: RequestOutputKind) -> None:
+    """vLLM's form (None, then per position the prompt token and the top ones), in every
+    output but a stream's later ones; with n > 1, once for the request."""
+    processor = OutputProcessor(tokenizer)
+    prompt = [1, 5, 6]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1, n=2)
+    children = processor.add_request("r", None, prompt, params, kind)
+    rows = LogprobsLists([[5, 9], [6, 6]], [[-2.0, -0.5], [-0.25, -0.25]], [3, 1])
+    outputs = []
+    for step in range(2):
+        step_outputs = [
+            EngineCoreOutput(
+                child_id,
+                [7],
+                prompt_logprobs=rows if step == 0 else None,
+                finish_reason=int(FinishReason.LENGTH) if step == 1 else None,
+            )
+            for child_id, _ in children
+        ]
+        updates, _ = processor.process_outputs(step_outputs)
+        outputs += [u.output for u in updates if u.output is not None]
+    want = [
+        None,
+        {5: Logprob(-2.0, 3, tokenizer.decode([5])), 9: Logprob(-0.5, 1, tokenizer.decode([9]))},
+        {6: Logprob(-0.25, 1, tokenizer.decode([6]))},
+    ]
+    if kind == RequestOutputKind.DELTA:
+        assert [o.prompt_logprobs for o in outputs] == [want, None]
+    else:
+        assert all(o.prompt_logprobs == want for o in outputs) and outputs

@@ -29,7 +29,6 @@ def scheduler_output(num_scheduled_tokens: dict[str, int] | None = None) -> Sche
     cached = CachedRequestData(
         req_ids=["run-0", "run-1", "run-2"],
         resumed_req_ids={"run-2"},
-        new_token_ids=[[1], [], [2, 3]],
         all_token_ids={"run-1": [1, 2, 3, 4]},
         new_block_ids=[None, [7], [8, 9]],
         num_computed_tokens=[10, 11, 12],
@@ -78,8 +77,6 @@ def test_scheduler_output_wire_leaves_out_what_the_worker_derives() -> None:
     assert w.num_scheduled_tokens == struct.pack("5i", 1, 1, 2, 3, 4)
     assert w.new_reqs[0].prompt_token_ids == struct.pack("3i", 5, 6, 7)
     assert w.new_reqs[1].prefill_tail == struct.pack("2i", 150_000, 11)
-    assert w.new_token_ids == struct.pack("3i", 1, 2, 3)
-    assert w.new_token_lengths == struct.pack("3i", 1, 0, 2)
     assert "total_num_scheduled_tokens" not in msgspec.structs.asdict(w)
 
 
@@ -112,6 +109,19 @@ def test_runner_output_in_batch_order_sends_positions() -> None:
     assert got == output
     assert got.req_id_to_index["run-2"] == 2
     assert got.sampled_token_ids[got.req_id_to_index["new-0"]] == []
+
+
+def test_runner_output_with_prompt_logprobs_round_trip() -> None:
+    so = scheduler_output()
+    prompt_logprobs = LogprobsLists([[6, 1], [7, 6]], [[-1.5, -0.25], [-0.125, -3.0]], [4, 1])
+    output = ModelRunnerOutput(
+        list(so.num_scheduled_tokens),
+        [[7], [8], [9], [], [10]],
+        prompt_logprobs_dict={"new-0": prompt_logprobs},
+    )
+    got = send_reply(output, so)
+    assert got == output and got.prompt_logprobs_dict == {"new-0": prompt_logprobs}
+    assert send_reply(ModelRunnerOutput(["run-0"], [[1]]), so).prompt_logprobs_dict is None
 
 
 def test_runner_output_with_an_unscheduled_id_sends_ids() -> None:
