@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.utils.server import RemoteServer, descendants
-from tests.utils.tiny_models import hf_greedy
+from tests.utils.tiny_models import hf_greedy, hf_logits, load_hf_model
 
 MAX_MODEL_LEN = 1024
 PROMPTS = ["hello there", "the quick brown fox", "a b c d e f g", "1 2 3 4 5 6 7 8 9 10 11"]
@@ -195,6 +195,81 @@ def test_n_logprobs_and_seed(server: RemoteServer, model: str) -> None:
     assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
 
 
+def _assert_top_close(got: dict[str, float], want: dict[str, float]) -> None:
+    assert got.keys() == want.keys()
+    assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
+
+
+def test_echo_logprobs_and_prompt_logprobs(
+    server: RemoteServer, model: str, tiny_model: Callable[[str], str]
+) -> None:
+    """echo with logprobs: the choice's logprobs start with the prompt's tokens (the first
+    without a logprob), then the generated ones', offsets running on; vLLM's prompt_logprobs
+    match HF transformers' log_softmax, for completions and chat, and a stream joins to the
+    whole answer."""
+    client = server.client()
+    prompt, k, max_tokens = "The capital of France is Paris", 2, 4
+    args = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    plain = client.completions.create(**args, logprobs=k).choices[0]
+    echoed = client.completions.create(**args, logprobs=k, echo=True).choices[0]
+    scored = client.completions.create(**args, extra_body={"prompt_logprobs": k}).choices[0]
+    prompt_ids = _tokenizer(tiny_model("llama")).encode(prompt)
+    num_prompt = len(prompt_ids)
+
+    assert echoed.text == prompt + plain.text
+    lp = echoed.logprobs
+    assert len(lp.tokens) == num_prompt + max_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[num_prompt:] == plain.logprobs.tokens
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    for got, want_top in zip(lp.top_logprobs[num_prompt:], plain.logprobs.top_logprobs):
+        _assert_top_close(got, want_top)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert "".join(lp.tokens[:num_prompt]) == prompt
+
+    table = scored.model_extra["prompt_logprobs"]
+    assert len(table) == num_prompt and table[0] is None
+    model_hf = load_hf_model(Path(tiny_model("llama")))
+    ref = hf_logits(model_hf, prompt_ids).log_softmax(dim=-1)
+    for pos in range(1, num_prompt):
+        entries, token = table[pos], prompt_ids[pos]
+        want = ref[pos - 1]
+        top = want.topk(k).indices.tolist()
+        assert list(entries) == [str(t) for t in dict.fromkeys([token, *top])]
+        assert entries[str(token)]["rank"] == int((want >= want[token]).sum())
+        assert entries[str(token)]["logprob"] == pytest.approx(float(want[token]), abs=1e-4)
+        assert entries[str(token)]["decoded_token"] == lp.tokens[pos]
+        # echo's prompt entries are the same numbers.
+        assert lp.token_logprobs[pos] == pytest.approx(entries[str(token)]["logprob"], abs=1e-5)
+        _assert_top_close(
+            lp.top_logprobs[pos], {e["decoded_token"]: e["logprob"] for e in entries.values()}
+        )
+
+    chunks = list(client.completions.create(**args, logprobs=k, echo=True, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.text
+    joined = {
+        field: [x for chunk in streamed for x in getattr(chunk, field)]
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
+    assert joined["token_logprobs"][0] is None
+    assert joined["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert (joined["tokens"], joined["text_offset"]) == (lp.tokens, lp.text_offset)
+    assert joined["top_logprobs"][0] is None
+    for got, want_top in zip(joined["top_logprobs"][1:], lp.top_logprobs[1:]):
+        _assert_top_close(got, want_top)
+
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    table = chat.model_extra["prompt_logprobs"]
+    assert len(table) == chat.usage.prompt_tokens and table[0] is None
+    assert all(len(entries) == 1 for entries in table[1:])
+
+
 def test_stop_strings(server: RemoteServer, model: str) -> None:
     client = server.client()
     base = (
@@ -314,6 +389,23 @@ BAD_REQUESTS = [
         "kv_transfer_params",
     ),
     ("empty messages", {"messages": []}, "messages"),
+    ("prompt_logprobs=-1", {"prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("prompt_logprobs=21", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    (
+        "prompt_logprobs streamed",
+        {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+        "prompt_logprobs",
+    ),
+    (
+        "chat prompt_logprobs streamed",
+        {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 2, "stream": True},
+        "prompt_logprobs",
+    ),
+    (
+        "prompt_logprobs of a prompt computed elsewhere",
+        {"prompt": "hi", "prompt_logprobs": 1, "kv_transfer_params": {"do_remote_prefill": True}},
+        "prompt_logprobs",
+    ),
 ]
 
 

@@ -69,6 +69,8 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extension: the prompt tokens' logprobs, that many alternatives each.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("kv_transfer_params")
@@ -76,7 +78,9 @@ class _SamplingRequest(BaseModel):
     def _check_kv_transfer_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return None if value is None else check_kv_transfer_params(value)
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Raises ValueError (its message starts with the field name) for an invalid value."""
         set_fields = {
             name: getattr(self, name)
@@ -101,6 +105,7 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             **set_fields,
         )

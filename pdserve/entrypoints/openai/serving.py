@@ -13,7 +13,7 @@ from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         num_prompt_tokens: int,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is not None and max_tokens > room:
@@ -121,7 +122,9 @@ class OpenAIServing:
                 param="max_tokens",
             )
         try:
-            return req.to_sampling_params(room if max_tokens is None else max_tokens, logprobs)
+            return req.to_sampling_params(
+                room if max_tokens is None else max_tokens, logprobs, prompt_logprobs
+            )
         except ValueError as e:
             raise OpenAIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -206,19 +209,41 @@ class OpenAIServing:
                     "Could not release the remote KV of rejected request %s: %s", request_id, e
                 )
 
-    def prepare_completion(self, req: CompletionRequest) -> list[tuple[Prompt, SamplingParams]]:
-        self.check_model(req.model)
-        if req.echo and req.logprobs is not None:
+    def prompt_logprobs(self, req: CompletionRequest | ChatCompletionRequest) -> int | None:
+        """What the engine computes of the prompt's logprobs: `prompt_logprobs`, or with echo
+        and logprobs as many as `logprobs` (vLLM's rule). None on a decode instance: the prompt
+        of a request that reads its KV from a prefill instance is computed there, so echo's
+        prompt entries have no logprobs here (the proxy fills them in from its prefill hop)."""
+        if req.prompt_logprobs is not None and req.stream and req.prompt_logprobs > 0:
             raise OpenAIError(
                 400,
-                "echo with logprobs returns the prompt's logprobs too, which pdserve does not "
-                "compute yet; use echo or logprobs.",
-                param="echo",
+                "`prompt_logprobs` are not available when `stream=True`.",
+                param="prompt_logprobs",
             )
+        if (req.kv_transfer_params or {}).get("do_remote_prefill"):
+            if req.prompt_logprobs is not None:
+                raise OpenAIError(
+                    400,
+                    "prompt_logprobs are computed where the prompt is: this request's prompt "
+                    "was computed by the prefill instance its kv_transfer_params name; ask it.",
+                    param="prompt_logprobs",
+                )
+            return None
+        if req.prompt_logprobs is not None:
+            return req.prompt_logprobs
+        if isinstance(req, CompletionRequest) and req.echo:
+            return req.logprobs
+        return None
+
+    def prepare_completion(self, req: CompletionRequest) -> list[tuple[Prompt, SamplingParams]]:
+        self.check_model(req.model)
+        prompt_logprobs = self.prompt_logprobs(req)
         prepared = []
         for prompt in req.prompts():
             text, token_ids = self.tokenize(prompt)
-            params = self.sampling_params(req, req.max_tokens, req.logprobs, len(token_ids))
+            params = self.sampling_params(
+                req, req.max_tokens, req.logprobs, len(token_ids), prompt_logprobs
+            )
             prepared.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
         return prepared
 
@@ -227,11 +252,15 @@ class OpenAIServing:
         finals: dict[int, RequestOutput] = {}
         async for i, out in self.generate(prompts, request_id, req.kv_transfer_params, False):
             finals[i] = out
-        choices = [
-            self._completion_choice(i * req.n + c.index, c, self._echo(req, finals[i]))
-            for i in sorted(finals)
-            for c in finals[i].outputs
-        ]
+        choices = []
+        for i, out in sorted(finals.items()):
+            for c in out.outputs:
+                choice = self._completion_choice(
+                    req, i * req.n + c.index, c, out, req.echo, out.prompt_logprobs
+                )
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                choices.append(choice)
         return {
             "id": f"cmpl-{request_id}",
             "object": "text_completion",
@@ -254,52 +283,103 @@ class OpenAIServing:
             "model": self.model_name,
         }
         counts = _UsageCounter()
-        echoed: set[int] = set()  # choices whose first chunk (the one with the prompt) went
+        # Each choice's text so far (its first chunk echoes the prompt), for text_offset.
+        sent_chars: dict[int, int] = {}
+        # A DELTA stream has a prompt's logprobs once, with its first output that has them.
+        prompt_logprobs: dict[int, list] = {}
         async for i, out in _reporting_errors(stream):
             if isinstance(out, str):
                 yield out
                 return
             counts.add(i, out)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
             for c in out.outputs:  # each output holds only the step's new part
                 if not c.token_ids and not c.text and c.finish_reason is None:
                     continue
                 index = i * req.n + c.index
-                prefix = "" if index in echoed else self._echo(req, out)
-                echoed.add(index)
-                yield sse({**head, "choices": [self._completion_choice(index, c, prefix)]})
+                choice = self._completion_choice(
+                    req,
+                    index,
+                    c,
+                    out,
+                    req.echo and index not in sent_chars,
+                    prompt_logprobs.get(i),
+                    sent_chars.get(index, 0),
+                )
+                sent_chars[index] = sent_chars.get(index, 0) + len(choice["text"])
+                yield sse({**head, "choices": [choice]})
         if req.stream_options and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": counts.usage()})
         yield "data: [DONE]\n\n"
 
-    def _echo(self, req: CompletionRequest, out: RequestOutput) -> str:
-        """What a choice's text starts with: the prompt, with echo (token ids decoded)."""
-        if not req.echo:
-            return ""
-        if out.prompt is not None:
-            return out.prompt
-        return self.engine.tokenizer.decode(out.prompt_token_ids)
-
-    def _completion_choice(self, index: int, c: CompletionOutput, echo: str = "") -> dict:
-        logprobs = None
-        if c.logprobs is not None:
-            tokens, token_logprobs, top = [], [], []
-            for tid, entry in zip(c.token_ids, c.logprobs):
-                tokens.append(entry[tid].decoded_token)
-                token_logprobs.append(entry[tid].logprob)
-                top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
-            logprobs = {
-                "tokens": tokens,
-                "token_logprobs": token_logprobs,
-                "top_logprobs": top,
-                "text_offset": [],
-            }
+    def _completion_choice(
+        self,
+        req: CompletionRequest,
+        index: int,
+        c: CompletionOutput,
+        out: RequestOutput,
+        echo: bool,
+        prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
+        text_offset: int = 0,
+    ) -> dict:
+        """One choice, or a stream's chunk of it. `echo`: it starts with the prompt (text and,
+        with logprobs, `prompt_logprobs`' entries); `text_offset`: the choice's text before."""
+        text, token_ids, entries = c.text, c.token_ids, c.logprobs
+        if echo:
+            prompt = out.prompt
+            if prompt is None:
+                prompt = self.engine.tokenizer.decode(out.prompt_token_ids)
+            text = prompt + text
+            if entries is not None:
+                # Without the prompt's logprobs (a decode instance's) its entries are empty.
+                prompt_entries = prompt_logprobs or [None] * len(out.prompt_token_ids)
+                token_ids, entries = out.prompt_token_ids + token_ids, prompt_entries + entries
         return {
             "index": index,
-            "text": echo + c.text,
-            "logprobs": logprobs,
+            "text": text,
+            "logprobs": None
+            if entries is None
+            else self._completion_logprobs(token_ids, entries, req.logprobs or 0, text_offset),
             "token_ids": c.token_ids,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
+        }
+
+    def _completion_logprobs(
+        self,
+        token_ids: list[int],
+        entries: list[dict[int, Logprob] | None],
+        num_top: int,
+        text_offset: int,
+    ) -> dict[str, list]:
+        """OpenAI's completion logprobs, as vLLM builds them: the token, its logprob and the
+        top ones (the token and `num_top` more), null for a token without an entry (the first
+        of an echoed prompt); each token's offset is the previous one's plus its length."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for tid, entry in zip(token_ids, entries):
+            if entry is None:
+                token = self.engine.tokenizer.decode([tid])
+                token_logprobs.append(None)
+                top.append(None)
+            else:
+                token = entry[tid].decoded_token or ""
+                token_logprobs.append(_clamp(entry[tid].logprob))
+                top.append(
+                    {
+                        lp.decoded_token: _clamp(lp.logprob)
+                        for j, lp in enumerate(entry.values())
+                        if j <= num_top
+                    }
+                )
+            tokens.append(token)
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
         }
 
     # ---- chat ------------------------------------------------------------------------------
@@ -315,10 +395,11 @@ class OpenAIServing:
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         top = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = self.prompt_logprobs(req)
         return [
             (
                 {"prompt_token_ids": token_ids},
-                self.sampling_params(req, max_tokens, top, len(token_ids)),
+                self.sampling_params(req, max_tokens, top, len(token_ids), prompt_logprobs),
             )
         ]
 
@@ -339,7 +420,7 @@ class OpenAIServing:
             }
             for c in final.outputs
         ]
-        return {
+        response = {
             "id": f"chatcmpl-{request_id}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -348,6 +429,9 @@ class OpenAIServing:
             "usage": usage([final]),
             "kv_transfer_params": final.kv_transfer_params,
         }
+        if req.prompt_logprobs is not None:  # vLLM's place for them: the response's
+            response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+        return response
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
         prompts = self.prepare_chat(req)
@@ -408,6 +492,27 @@ class OpenAIServing:
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+def _clamp(logprob: float) -> float:
+    """-inf as OpenAI writes it (JSON has no infinities), as vLLM does."""
+    return max(logprob, -9999.0)
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs` of a choice: null first, then {token id: {logprob, rank,
+    decoded_token}} per prompt token."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            tid: {"logprob": _clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def usage(outputs: Any) -> dict[str, Any]:
