@@ -54,7 +54,6 @@ def decode_step(num_reqs: int, step: int) -> SchedulerOutput:
     cached = CachedRequestData(
         req_ids=req_ids,
         resumed_req_ids=set(),
-        new_token_ids=[],
         all_token_ids={},
         new_block_ids=new_blocks,
         num_computed_tokens=[100 + step] * num_reqs,

@@ -129,8 +129,6 @@ class SchedulerOutputWire(msgspec.Struct, array_like=True, omit_defaults=True):
     new_reqs: list[NewRequestWire]
     cached_req_ids: list[str]
     resumed_req_ids: set[str]
-    new_token_ids: bytes
-    new_token_lengths: bytes | None
     all_token_ids: dict[str, bytes]
     new_block_ids: list[list[int] | None]
     num_computed_tokens: list[int]
@@ -181,13 +179,10 @@ def scheduler_output_to_wire(
     own_ids = cached.req_ids
     if so.scheduled_new_reqs:
         own_ids = own_ids + [new.req_id for new in so.scheduled_new_reqs]
-    new_token_ids, new_token_lengths = pack_rows(cached.new_token_ids)
     return SchedulerOutputWire(
         [_new_request_to_wire(new) for new in so.scheduled_new_reqs],
         cached.req_ids,
         cached.resumed_req_ids,
-        new_token_ids,
-        new_token_lengths,
         {req_id: pack_int32(ids) for req_id, ids in cached.all_token_ids.items()},
         cached.new_block_ids,
         cached.num_computed_tokens,
@@ -211,7 +206,6 @@ def scheduler_output_from_wire(
     cached = CachedRequestData(
         wire.cached_req_ids,
         wire.resumed_req_ids,
-        unpack_rows(wire.new_token_ids, wire.new_token_lengths),
         {req_id: unpack_int32(ids) for req_id, ids in wire.all_token_ids.items()},
         wire.new_block_ids,
         wire.num_computed_tokens,

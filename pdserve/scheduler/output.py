@@ -44,12 +44,13 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 
     For ids in `resumed_req_ids` (runner V1 only) `new_block_ids` replaces the worker's block
     table; otherwise new ids are appended. `all_token_ids` carries the full token list of
-    requests that were not scheduled in the previous step (runner V1 only).
+    requests that were not scheduled in the previous step (runner V1 only). There is no
+    vLLM-style `new_token_ids`: under pipeline parallelism every stage gets the step's sampled
+    tokens from the last one within the step (runners/base.py), not from the scheduler.
     """
 
     req_ids: list[str]
     resumed_req_ids: set[str]
-    new_token_ids: list[list[int]]
     all_token_ids: dict[str, list[int]]
     new_block_ids: list[list[int] | None]
     num_computed_tokens: list[int]
@@ -61,7 +62,7 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 
     @classmethod
     def make_empty(cls) -> CachedRequestData:
-        return cls([], set(), [], {}, [], [], [])
+        return cls([], set(), {}, [], [], [])
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):

@@ -83,7 +83,6 @@ def build_scheduler_output(
     cached = CachedRequestData(
         req_ids=req_ids,
         resumed_req_ids={r.request_id for r in resumed_reqs},
-        new_token_ids=[],
         all_token_ids=all_token_ids,
         new_block_ids=new_block_ids,
         num_computed_tokens=num_computed_tokens,
