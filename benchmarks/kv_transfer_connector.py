@@ -34,10 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.config import EngineConfig  # noqa: E402
-from pdserve.kv_connector.base import KVConnectorRole  # noqa: E402
-from pdserve.kv_connector.nixl.connector import NixlConnector  # noqa: E402
 from pdserve.kv_connector.nixl.handshake import HandshakeServer, fetch_agent_metadata  # noqa: E402
 from pdserve.kv_connector.nixl.metadata import NixlConnectorMetadata, Notif, RecvReqMeta  # noqa: E402
+from pdserve.kv_connector.nixl.worker import NixlConnectorWorker  # noqa: E402
 from pdserve.kv_connector.transport import Desc, Transport, XferState, block_descs  # noqa: E402
 from pdserve.utils import get_open_port  # noqa: E402
 
@@ -120,7 +119,7 @@ def remote_block_ids(num_blocks: int, scattered: bool, contiguous_descs: int) ->
 def _prefill(conn: Connection, model: Path, backend: str, block_size: int, num_blocks: int) -> None:
     """Serve the handshake; lease each request's blocks; report when its reader is done."""
     config = engine_config(model, backend, "kv_producer", block_size)
-    connector = NixlConnector(config, KVConnectorRole.WORKER, tp_rank=0)
+    connector = NixlConnectorWorker(config, tp_rank=0)
     server = None
     try:
         connector.register_kv_caches(kv_cache(config, num_blocks, pattern=True))
@@ -133,13 +132,13 @@ def _prefill(conn: Connection, model: Path, backend: str, block_size: int, num_b
                 if cmd == "stop":
                     return
                 lease = NixlConnectorMetadata(reqs_to_send={req_id: time.time() + LEASE_S})
-                connector.bind_connector_metadata(msgspec.msgpack.encode(lease))
+                connector.bind(lease)
                 connector.start_load_kv()
                 held += 1
                 conn.send(("leased", req_id, 0.0))
                 continue
             connector.start_load_kv()
-            sending, _ = connector.get_finished(set())
+            sending, _ = connector.get_finished()
             for req_id in sending or ():
                 held -= 1
                 conn.send(("sent", req_id, time.monotonic()))
@@ -157,15 +156,17 @@ def _expect(conn: Connection, kind: str, req_id: str) -> float:
     return when
 
 
-def _connector_read(connector: NixlConnector, meta: bytes, req_id: str) -> tuple[float, float]:
+def _connector_read(
+    connector: NixlConnectorWorker, meta: bytes, req_id: str
+) -> tuple[float, float]:
     """Bind one read and step until it is in finished_recving: (seconds, longest step)."""
     start = time.perf_counter()
-    connector.bind_connector_metadata(meta)
+    connector.bind(msgspec.msgpack.decode(meta, type=NixlConnectorMetadata))
     longest = 0.0  # the connector's part of one step: what that step's forward pass waits for
     while True:  # the worker's step: start_load_kv, (forward), get_finished
         step = time.perf_counter()
         connector.start_load_kv()
-        _, recving = connector.get_finished(set())
+        _, recving = connector.get_finished()
         longest = max(longest, time.perf_counter() - step)
         if recving and req_id in recving:
             return time.perf_counter() - start, longest
@@ -214,7 +215,7 @@ def connector_transfer(
     connector = None
     try:
         config = engine_config(model, backend, "kv_consumer", block_size)
-        connector = NixlConnector(config, KVConnectorRole.WORKER, tp_rank=0)
+        connector = NixlConnectorWorker(config, tp_rank=0)
         cache = kv_cache(config, num_blocks, pattern=False)
         assert cache[0].nbytes == block_len, (cache[0].nbytes, block_len)
         connector.register_kv_caches(cache)
@@ -224,7 +225,7 @@ def connector_transfer(
         local = list(range(num_blocks))
         remote = remote_block_ids(num_blocks, scattered, contiguous_descs)
         expected = kv_cache(config, num_blocks, pattern=True)[remote].view(torch.uint8)
-        transport, agent = connector.worker.transport, ""
+        transport, agent = connector.transport, ""
         descs = block_descs(0, local, 0, remote, block_len)
         times, raw_times, lags, stalls = [], [], [], []
         for rep in range(reps + 1):

@@ -40,11 +40,9 @@ class KVTransferConfig:
     kv_buffer_device: str | None = None
 
     def __post_init__(self) -> None:
-        from pdserve.kv_connector.factory import KVConnectorFactory
+        from pdserve.kv_connector.factory import CONNECTORS
 
-        check_choice(
-            "kv_transfer_config.kv_connector", self.kv_connector, KVConnectorFactory.names()
-        )
+        CONNECTORS.check(self.kv_connector)
         check_choice("kv_transfer_config.kv_role", self.kv_role, KV_ROLES)
         if not isinstance(self.engine_id, str) or not self.engine_id:
             raise ValueError(

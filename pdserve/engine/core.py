@@ -11,17 +11,21 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from pdserve.config import EngineConfig
 from pdserve.engine.input_processor import check_prompt
 from pdserve.engine.messages import EngineCoreRequest
 from pdserve.executor.base import Executor
-from pdserve.kv_connector.base import KVConnectorBase, KVConnectorRole
-from pdserve.kv_connector.factory import KVConnectorFactory
+from pdserve.kv_connector.factory import create_scheduler_connector
 from pdserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.request import RequestStatus
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.scheduler import Scheduler
+from pdserve.scheduler.stats import SchedulerStats
+
+if TYPE_CHECKING:
+    from pdserve.kv_connector.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +40,16 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.kv_connector: KVConnectorBase | None = None
-        if config.kv_transfer_config is not None:
-            self.kv_connector = KVConnectorFactory.create(config, KVConnectorRole.SCHEDULER)
-            try:
-                # Each rank's answer to a peer's handshake; the connector serves them.
-                payloads = self.executor.collective_rpc("get_kv_connector_handshake_metadata")
-                self.kv_connector.set_xfer_handshake_metadata(dict(enumerate(payloads)))
-            except BaseException:
-                self.executor.shutdown()
-                raise
+        # The engine's one handle on the connector's scheduler half (the no-op one without a
+        # connector): callers outside go through EngineCore's methods.
+        self.kv_connector = create_scheduler_connector(config)
+        try:
+            # Each rank's answer to a peer's handshake; the connector serves them.
+            payloads = self.executor.collective_rpc("get_kv_connector_handshake_metadata")
+            self.kv_connector.set_xfer_handshake_metadata(dict(enumerate(payloads)))
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
@@ -90,7 +94,19 @@ class EngineCore:
 
     def has_pending_transfers(self) -> bool:
         """KV transfers in flight or blocks held for a reader: the workers must be polled."""
-        return self.kv_connector is not None and self.kv_connector.has_pending_transfers()
+        return self.kv_connector.has_pending_transfers()
+
+    def get_stats(self) -> tuple[SchedulerStats, dict[str, float] | None]:
+        """The scheduler's gauges and the connector's cumulative counters (None without one)."""
+        return self.scheduler.make_stats(), self.kv_connector.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def release_remote_kv(self, request_id: str, params: KVTransferParams) -> bool:
+        """Let a prefill instance free the KV a request here will never read; False when this
+        instance has no connector to reach it with."""
+        return self.kv_connector.release_remote(request_id, params)
 
     def step(self) -> list[EngineCoreOutput]:
         if self.batch_queue_size > 1:
@@ -129,5 +145,4 @@ class EngineCore:
     def shutdown(self) -> None:
         self.batch_queue.clear()
         self.executor.shutdown()
-        if self.kv_connector is not None:
-            self.kv_connector.shutdown()
+        self.kv_connector.shutdown()

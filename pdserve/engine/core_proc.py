@@ -28,7 +28,6 @@ from pdserve.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
-from pdserve.scheduler.scheduler import SchedulerStats
 from pdserve.utils import FAILED, READY, exit_with_parent
 
 logger = logging.getLogger(__name__)
@@ -49,20 +48,10 @@ class EngineCoreProc:
         self.abort_decoder = msgspec.msgpack.Decoder(list[str])
         self.utility_decoder = msgspec.msgpack.Decoder(UtilityCall)
         self.utilities: dict[str, Callable[..., Any]] = {
-            "get_stats": self._stats,
-            "reset_prefix_cache": self.engine.scheduler.reset_prefix_cache,
-            "release_remote_kv": self._release_remote_kv,
+            "get_stats": self.engine.get_stats,
+            "reset_prefix_cache": self.engine.reset_prefix_cache,
+            "release_remote_kv": self.engine.release_remote_kv,
         }
-
-    def _stats(self) -> tuple[SchedulerStats, dict[str, float] | None]:
-        connector = self.engine.kv_connector
-        return self.engine.scheduler.make_stats(), connector.get_stats() if connector else None
-
-    def _release_remote_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> bool:
-        if self.engine.kv_connector is None:
-            return False
-        self.engine.kv_connector.release_remote(request_id, kv_transfer_params)
-        return True
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -81,7 +70,7 @@ class EngineCoreProc:
             changed = bool(events) and self._drain_inputs(rejected)
             outputs = self.engine.step()
             if outputs or changed or rejected:
-                scheduler_stats, kv_stats = self._stats()
+                scheduler_stats, kv_stats = self.engine.get_stats()
                 self._send(
                     EngineCoreOutputs(
                         time.time(), outputs, scheduler_stats, kv_stats, rejected=rejected or None

@@ -11,9 +11,10 @@ import torch.distributed as dist
 from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.distributed import parallel_state
-from pdserve.kv_connector.base import KVConnectorBase, KVConnectorRole
-from pdserve.kv_connector.factory import KVConnectorFactory
-from pdserve.outputs import KVConnectorOutput, ModelRunnerOutput
+from pdserve.kv_connector.base import KVConnectorWorker
+from pdserve.kv_connector.factory import create_worker_connector
+from pdserve.kv_connector.noop import NoKVConnectorWorker
+from pdserve.outputs import ModelRunnerOutput
 from pdserve.runners.base import ModelRunnerBase
 from pdserve.scheduler.output import SchedulerOutput
 
@@ -45,7 +46,8 @@ class Worker:
             from pdserve.runners.v1.model_runner import ModelRunnerV1 as runner_cls
         logger.info("Rank %d uses %s", rank, runner_cls.__name__)
         self.model_runner: ModelRunnerBase = runner_cls(config, self.device)
-        self.kv_connector: KVConnectorBase | None = None
+        # Until the KV cache exists there is nothing to connect.
+        self.kv_connector: KVConnectorWorker = NoKVConnectorWorker()
 
     def init_distributed(self) -> None:
         """Join the world; set this rank's tensor-parallel group and pipeline (stage-major)."""
@@ -96,38 +98,21 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
-        if self.config.kv_transfer_config is not None:
-            assert self.model_runner.kv_cache is not None
-            tp_rank = self.rank % self.config.parallel_config.tensor_parallel_size
-            self.kv_connector = KVConnectorFactory.create(
-                self.config, KVConnectorRole.WORKER, tp_rank
-            )
-            self.kv_connector.register_kv_caches(self.model_runner.kv_cache)
+        tp_rank = self.rank % self.config.parallel_config.tensor_parallel_size
+        self.kv_connector = create_worker_connector(self.config, tp_rank)
+        assert self.model_runner.kv_cache is not None
+        self.kv_connector.register_kv_caches(self.model_runner.kv_cache)
 
     def get_kv_connector_handshake_metadata(self) -> bytes | None:
-        return None if self.kv_connector is None else self.kv_connector.get_handshake_metadata()
+        return self.kv_connector.get_handshake_metadata()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         connector = self.kv_connector
-        if connector is None:
-            return self.model_runner.execute_model(scheduler_output)
-        # Loads start before the forward pass; pull loads are whole requests parked by the
-        # scheduler, so no layer of this step waits for them.
-        if scheduler_output.kv_connector_metadata is not None:
-            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
-        connector.start_load_kv()
+        connector.pre_forward(scheduler_output)
         output = self.model_runner.execute_model(scheduler_output)
-        connector.wait_for_save()
-        finished_sending, finished_recving = connector.get_finished(
-            scheduler_output.finished_req_ids
-        )
-        kv_output = KVConnectorOutput(
-            finished_sending,
-            finished_recving,
-            connector.get_block_ids_with_load_errors(),
-            connector.get_worker_stats() or None,
-            connector.get_load_errors() or None,
-        )
+        kv_output = connector.post_forward(scheduler_output)
+        if kv_output is None:
+            return output
         # A step with nothing scheduled returns the shared empty output: never mutate it.
         return ModelRunnerOutput(
             output.req_ids, output.sampled_token_ids, output.logprobs, kv_output
@@ -137,8 +122,7 @@ class Worker:
         return None
 
     def shutdown(self) -> None:
-        if self.kv_connector is not None:
-            self.kv_connector.shutdown()
+        self.kv_connector.shutdown()
         parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()

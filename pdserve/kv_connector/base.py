@@ -1,127 +1,99 @@
-"""The KV connector contract: one class, two roles (vLLM's KVConnectorBase_V1).
+"""The KV connector contract: one protocol per role, the two halves of one connector.
 
-The SCHEDULER role lives in the EngineCore process beside the Scheduler: it decides which
-requests load KV from a peer, which hold their blocks for a peer to read, and what each step's
-workers must do (the connector metadata). The WORKER role lives in every worker beside the KV
-cache: it moves the bytes and reports what finished.
+The scheduler half (`KVConnectorScheduler`) lives in the EngineCore process beside the
+Scheduler: it decides which requests load KV from a peer, which hold their blocks for a peer to
+read, and what each step's workers must do (the connector metadata, encoded by it). The worker
+half (`KVConnectorWorker`) lives in every worker beside the KV cache: it decodes that metadata,
+moves the bytes and reports what finished. `factory.py` builds both halves of the configured
+connector, or the no-op ones (`noop.py`) for an instance without one, so no caller ever asks
+whether a connector exists.
 """
 
 from __future__ import annotations
 
-import abc
-import enum
-from typing import TYPE_CHECKING, Any
-
-import msgspec
-import torch
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from pdserve.config import EngineConfig
+    from pdserve.kv_connector.params import KVTransferParams
     from pdserve.outputs import KVConnectorOutput
     from pdserve.request import Request
     from pdserve.scheduler.block_pool import KVCacheBlock
     from pdserve.scheduler.output import SchedulerOutput
 
 
-class KVConnectorRole(enum.Enum):
-    SCHEDULER = "scheduler"
-    WORKER = "worker"
-
-
-class KVConnectorBase(abc.ABC):
-    def __init__(self, config: EngineConfig, role: KVConnectorRole) -> None:
-        if config.kv_transfer_config is None:
-            raise ValueError("kv_transfer_config must be set for a KV connector.")
-        self.config = config
-        self.kv_transfer_config = config.kv_transfer_config
-        self.role = role
-
-    # ---- scheduler role ---------------------------------------------------------------------
-
+class KVConnectorScheduler(Protocol):
     def on_new_request(self, request: Request) -> None:
         """A request arrived (before it waits for admission)."""
 
-    @abc.abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens a peer can provide beyond the local prefix hit, and whether they load
         asynchronously (between steps). None: undecided, ask again next step. No side effects."""
 
-    @abc.abstractmethod
     def update_state_after_alloc(
         self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int
     ) -> None:
         """The request got its blocks; remember what to load into which."""
 
-    @abc.abstractmethod
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> msgspec.Struct:
-        """This step's orders for the workers; resets the per-step state."""
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> bytes | None:
+        """This step's orders for the workers, encoded (None: nothing to say); resets the
+        per-step state."""
 
-    @abc.abstractmethod
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         """Called once when a request finishes: (free its blocks later?, kv_transfer_params)."""
 
-    def release_remote(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
-        """A request that names remote KV will never be admitted here: let the peer free it."""
+    def release_remote(self, request_id: str, params: KVTransferParams) -> bool:
+        """A request that names remote KV will never be admitted here: let the peer free it.
+        False when this instance cannot reach peers (no connector)."""
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """What the workers reported this step (counters, finished transfers)."""
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, bytes]) -> None:
+    def set_xfer_handshake_metadata(self, metadata: dict[int, bytes | None]) -> None:
         """Each worker rank's handshake payload; a connector that serves peers starts here."""
 
     def has_pending_transfers(self) -> bool:
         """Whether the workers must keep being polled although nothing is scheduled."""
-        return False
 
-    def get_stats(self) -> dict[str, float]:
-        """Cumulative counters for /metrics."""
-        return {}
+    def load_failure_recomputes(self) -> bool:
+        """Whether a failed load is recomputed locally (kv_load_failure_policy=recompute)
+        rather than failing its request."""
 
-    # ---- worker role ------------------------------------------------------------------------
-
-    @abc.abstractmethod
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        """The worker's block-major KV cache [num_blocks, layers, 2, block_size, heads, head_dim]."""
-
-    @abc.abstractmethod
-    def bind_connector_metadata(self, metadata: bytes) -> None:
-        """The step's encoded metadata, before the forward pass."""
-
-    @abc.abstractmethod
-    def start_load_kv(self) -> None:
-        """Start the loads the bound metadata asks for (asynchronous)."""
-
-    def wait_for_layer_load(self, layer_index: int) -> None:
-        """Block until the layer is loaded; whole-request async loads have nothing to wait for."""
-
-    def save_kv_layer(self, layer_index: int, kv_layer: torch.Tensor) -> None:
-        """Push a layer to a peer; pull connectors leave the data where it is."""
-
-    def wait_for_save(self) -> None:
-        """Block until the pushes of this step are done."""
-
-    @abc.abstractmethod
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(requests whose blocks peers finished reading, requests whose loads finished)."""
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()
-
-    def get_load_errors(self) -> dict[str, str]:
-        """Why each failed load failed (request id -> a short reason, no addresses), for the
-        requests whose blocks `get_block_ids_with_load_errors` reports; each reported once."""
-        return {}
-
-    def get_worker_stats(self) -> dict[str, float]:
-        """Counters since the last call, summed across workers by the engine."""
-        return {}
-
-    def get_handshake_metadata(self) -> bytes | None:
-        return None
+    def get_stats(self) -> dict[str, float] | None:
+        """Cumulative counters for /metrics; None without a connector."""
 
     def shutdown(self) -> None:
         """Idempotent."""
+
+
+class KVConnectorWorker(Protocol):
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        """The worker's block-major KV cache [num_blocks, layers, 2, block_size, heads, head_dim]."""
+
+    def get_handshake_metadata(self) -> bytes | None:
+        """What a peer's handshake gets from this rank (served by the scheduler half)."""
+
+    def pre_forward(self, scheduler_output: SchedulerOutput) -> None:
+        """Before the step's forward pass: take the step's metadata and start its loads
+        (pull loads are whole requests parked by the scheduler: no layer waits for them)."""
+
+    def post_forward(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput | None:
+        """After the forward pass: wait for this step's pushes, and report finished transfers,
+        failed loads and counters (None: nothing to report)."""
+
+    def shutdown(self) -> None:
+        """Idempotent."""
+
+
+class KVConnectorHalves(NamedTuple):
+    """What a connector registers: how to build each half."""
+
+    scheduler: Callable[[EngineConfig], KVConnectorScheduler]
+    worker: Callable[[EngineConfig, int], KVConnectorWorker]  # (config, tp_rank)

@@ -1,30 +1,31 @@
-"""KV connectors by name (`kv_transfer_config.kv_connector`)."""
+"""KV connectors by name (`kv_transfer_config.kv_connector`): both halves of the configured
+connector, or the no-op halves for an instance without one."""
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
-from pdserve.kv_connector.base import KVConnectorBase, KVConnectorRole
+from pdserve.kv_connector.base import KVConnectorHalves, KVConnectorScheduler, KVConnectorWorker
+from pdserve.kv_connector.noop import NoKVConnectorScheduler, NoKVConnectorWorker
+from pdserve.registry import Registry
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
 
+CONNECTORS: Registry[KVConnectorHalves] = Registry(
+    "KV connector",
+    "kv_transfer_config.kv_connector",
+    {"NixlConnector": "pdserve.kv_connector.nixl.connector:NIXL_CONNECTOR"},
+)
 
-class KVConnectorFactory:
-    _registry: dict[str, str] = {
-        "NixlConnector": "pdserve.kv_connector.nixl.connector:NixlConnector",
-    }
 
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(cls._registry)
+def create_scheduler_connector(config: EngineConfig) -> KVConnectorScheduler:
+    if config.kv_transfer_config is None:
+        return NoKVConnectorScheduler()
+    return CONNECTORS.get(config.kv_transfer_config.kv_connector).scheduler(config)
 
-    @classmethod
-    def create(
-        cls, config: EngineConfig, role: KVConnectorRole, tp_rank: int = 0
-    ) -> KVConnectorBase:
-        assert config.kv_transfer_config is not None
-        module_name, class_name = cls._registry[config.kv_transfer_config.kv_connector].split(":")
-        connector_cls = getattr(importlib.import_module(module_name), class_name)
-        return connector_cls(config, role, tp_rank)
+
+def create_worker_connector(config: EngineConfig, tp_rank: int) -> KVConnectorWorker:
+    if config.kv_transfer_config is None:
+        return NoKVConnectorWorker()
+    return CONNECTORS.get(config.kv_transfer_config.kv_connector).worker(config, tp_rank)

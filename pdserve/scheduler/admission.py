@@ -6,8 +6,9 @@ Waiting requests never preempt: an admission that does not fit ends the step's a
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+from pdserve.kv_connector.base import KVConnectorScheduler
 from pdserve.request import Request, RequestStatus
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.remote_kv import RemoteKVRequests
@@ -29,7 +30,7 @@ class WaitingAdmission:
         self,
         kv_cache_manager: KVCacheManager,
         remote_kv: RemoteKVRequests,
-        connector: Any | None,
+        connector: KVConnectorScheduler,
         policy: SchedulingPolicy,
         enable_chunked_prefill: bool,
     ) -> None:
@@ -94,10 +95,9 @@ class WaitingAdmission:
             )
             if new_blocks is None:
                 break
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(
-                    request, kv_cache_manager.get_blocks(request.request_id), num_external_tokens
-                )
+            self.connector.update_state_after_alloc(
+                request, kv_cache_manager.get_blocks(request.request_id), num_external_tokens
+            )
             queue.pop_request()
             reserved_blocks += reservation_change
             if num_local_computed and request.num_cached_tokens < 0:

@@ -9,8 +9,9 @@ failed); the Scheduler acts on them.
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+from pdserve.kv_connector.base import KVConnectorScheduler
 from pdserve.outputs import KVConnectorOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.scheduler.block_pool import KVCacheBlock
@@ -50,7 +51,10 @@ class RemoteKVRequests:
     """
 
     def __init__(
-        self, policy: SchedulingPolicy, kv_cache_manager: KVCacheManager, connector: Any | None
+        self,
+        policy: SchedulingPolicy,
+        kv_cache_manager: KVCacheManager,
+        connector: KVConnectorScheduler,
     ) -> None:
         self.policy = policy
         self.kv_cache_manager = kv_cache_manager
@@ -108,8 +112,6 @@ class RemoteKVRequests:
             # Its remote KV arrived (or the part before a block that failed): nothing to add.
             return [], 0, 0, False
         hits, num_local_tokens = self.kv_cache_manager.get_computed_blocks(request)
-        if self.connector is None:
-            return hits, num_local_tokens, 0, False
         num_external, load_async = self.connector.get_num_new_matched_tokens(
             request, num_local_tokens
         )
@@ -164,8 +166,7 @@ class RemoteKVRequests:
         An id that fits no request waiting on that transfer is logged and ignored: a confused
         peer must not take the engine down.
         """
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_connector_output)
+        self.connector.update_connector_output(kv_connector_output)
         to_free: dict[str, Request] = {}
         for req_id in kv_connector_output.finished_recving or ():
             request = requests.get(req_id)
@@ -209,8 +210,7 @@ class RemoteKVRequests:
         The bad blocks are never hashed: loaded blocks are cached only at promotion, and only up
         to `num_computed_tokens`, which stops before them.
         """
-        assert self.connector is not None
-        recompute = self.connector.kv_transfer_config.kv_load_failure_policy == "recompute"
+        recompute = self.connector.load_failure_recomputes()
         block_size = self.kv_cache_manager.block_size
         failed: list[Request] = []
         for request in self.skipped_waiting:

@@ -18,6 +18,8 @@ from typing import Any
 import msgspec
 
 from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.kv_connector.base import KVConnectorScheduler
+from pdserve.kv_connector.noop import NoKVConnectorScheduler
 from pdserve.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.admission import Admissions, WaitingAdmission
@@ -51,11 +53,12 @@ class Scheduler:
         max_model_len: int,
         num_blocks: int,
         use_v2_model_runner: bool,
-        kv_connector: Any | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.max_model_len = max_model_len
         self.use_v2_model_runner = use_v2_model_runner
-        self.connector = kv_connector
+        # The no-op connector stands in for none, so no step asks whether there is one.
+        self.connector = kv_connector or NoKVConnectorScheduler()
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         # EngineConfig resolves the budget; a bare SchedulerConfig gets the same default.
@@ -66,11 +69,11 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, max_model_len, cache_config.enable_prefix_caching
         )
-        self.remote_kv = RemoteKVRequests(self.policy, self.kv_cache_manager, kv_connector)
+        self.remote_kv = RemoteKVRequests(self.policy, self.kv_cache_manager, self.connector)
         self.admission = WaitingAdmission(
             self.kv_cache_manager,
             self.remote_kv,
-            kv_connector,
+            self.connector,
             self.policy,
             self.enable_chunked_prefill,
         )
@@ -111,8 +114,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         # One comparison in the stop check covers both length limits.
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
-        if self.connector is not None:
-            self.connector.on_new_request(request)
+        self.connector.on_new_request(request)
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.remote_kv.add(request)
         else:
@@ -220,10 +222,9 @@ class Scheduler:
             self.prev_step_scheduled_req_ids,
             self.running_all_in_prev_step,
         )
-        if self.connector is not None:
-            scheduler_output.kv_connector_metadata = msgspec.msgpack.encode(
-                self.connector.build_connector_meta(scheduler_output)
-            )
+        scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
+            scheduler_output
+        )
         scheduled_reqs = step.scheduled_reqs
         self._update_after_schedule(step, scheduled_reqs)
         self._steps_in_flight.push(scheduler_output, scheduled_reqs, step.req_ids)
@@ -333,12 +334,10 @@ class Scheduler:
     ) -> dict[str, Any] | None:
         """Finish a request; its blocks wait if the connector still sends (or receives) them."""
         assert request.is_finished()
-        kv_transfer_params = None
-        if self.connector is not None:
-            delay, kv_transfer_params = self.connector.request_finished(
-                request, self.kv_cache_manager.get_block_ids(request.request_id)
-            )
-            delay_free_blocks |= delay
+        delay, kv_transfer_params = self.connector.request_finished(
+            request, self.kv_cache_manager.get_block_ids(request.request_id)
+        )
+        delay_free_blocks |= delay
         self.finished_req_ids.add(request.request_id)
         if not delay_free_blocks:
             self._free_blocks(request)

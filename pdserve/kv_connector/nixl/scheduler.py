@@ -152,6 +152,8 @@ class NixlConnectorScheduler:
         # stray id in finished_sending must not end the polling while others still wait.
         self._sending: set[str] = set()
         self.stats: dict[str, float] = {}
+        self.recompute_failed_loads = kv.kv_load_failure_policy == "recompute"
+        self._encoder = msgspec.msgpack.Encoder()
         # Host staging: the pool of the workers' staging buffer blocks (sized here when the
         # config says, else from the workers' handshake metadata).
         self.host_staging = kv.uses_host_staging(config.device)
@@ -162,7 +164,7 @@ class NixlConnectorScheduler:
     def _make_staging_pool(self, num_blocks: int) -> None:
         self.staging = StagingPool(num_blocks, self.block_size, self.max_model_len)
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, bytes]) -> None:
+    def set_xfer_handshake_metadata(self, metadata: dict[int, bytes | None]) -> None:
         served = {}
         for rank, encoded in metadata.items():
             payload = msgspec.msgpack.decode(encoded, type=HandshakePayload)
@@ -285,7 +287,10 @@ class NixlConnectorScheduler:
         # One transfer per request, also after a preemption.
         params["do_remote_prefill"] = False
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> bytes | None:
+        return self._encoder.encode(self.build_meta(scheduler_output))
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         meta = NixlConnectorMetadata(self._reqs_need_recv, self._reqs_need_send)
         if self.staging is not None:
             meta.reqs_to_save = self.staging.save_orders(scheduler_output)
@@ -302,7 +307,7 @@ class NixlConnectorScheduler:
         self._reqs_need_recv, self._reqs_need_send = {}, {}
         return meta
 
-    def release_remote(self, request_id: str, params: dict[str, Any]) -> None:
+    def release_remote(self, request_id: str, params: dict[str, Any]) -> bool:
         """Tell the prefill side to free a request's blocks now, with an empty read: this
         instance will never read them (aborted before admission, or rejected by the server)."""
         if _has_remote_fields(params):
@@ -317,6 +322,7 @@ class NixlConnectorScheduler:
             )
             self._reading.add(request_id)
         params["do_remote_prefill"] = False
+        return True
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -397,6 +403,9 @@ class NixlConnectorScheduler:
 
     def has_pending_transfers(self) -> bool:
         return bool(self._sending or self._reading)
+
+    def load_failure_recomputes(self) -> bool:
+        return self.recompute_failed_loads
 
     def shutdown(self) -> None:
         if self.server is not None:

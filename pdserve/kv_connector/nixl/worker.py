@@ -46,6 +46,8 @@ from pdserve.kv_connector.transport.base import (
     make_transport,
     memory_kind,
 )
+from pdserve.outputs import KVConnectorOutput
+from pdserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,7 @@ class NixlConnectorWorker:
         self.compat_factors: dict[str, str | int] = {}
         self.compat_hash: str | None = None
         self._meta = NixlConnectorMetadata()
+        self._meta_decoder = msgspec.msgpack.Decoder(NixlConnectorMetadata)
         self._handshaker = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-handshake")
         self._handshakes: dict[str, Future[RemoteEngine]] = {}
         self._engines: dict[str, RemoteEngine] = {}
@@ -193,6 +196,23 @@ class NixlConnectorWorker:
         )
 
     # ---- each step --------------------------------------------------------------------------
+
+    def pre_forward(self, scheduler_output: SchedulerOutput) -> None:
+        if scheduler_output.kv_connector_metadata is not None:
+            self.bind(self._meta_decoder.decode(scheduler_output.kv_connector_metadata))
+        self.start_load_kv()
+
+    def post_forward(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput | None:
+        self.wait_for_save()
+        sending, recving = self.get_finished()
+        output = KVConnectorOutput(
+            sending,
+            recving,
+            self.take_invalid_block_ids(),
+            self.take_stats() or None,
+            self.take_load_errors() or None,
+        )
+        return None if output.is_empty() else output
 
     def bind(self, meta: NixlConnectorMetadata) -> None:
         self._meta = meta

@@ -1,8 +1,8 @@
 """The NixlConnector's real halves in one process, without a model: worker roles over KV caches
 of random bytes with a real transport, and a prefill and a decode instance made of a Scheduler
-beside the connector's scheduler role and one worker role. A step runs the worker calls of
-`Worker.execute_model` in its order (bind, start loads, the forward, wait for saves, get
-finished); the forward is the test's. Handshakes go to a side channel on a free local port."""
+beside the connector's scheduler role and one worker role. A step runs the worker half as
+`Worker.execute_model` does (pre_forward, the forward, post_forward); the forward is the
+test's. Handshakes go to a side channel on a free local port."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.kv_connector.base import KVConnectorRole
-from pdserve.kv_connector.nixl.connector import NixlConnector
-from pdserve.outputs import KVConnectorOutput, ModelRunnerOutput
+from pdserve.kv_connector.nixl.scheduler import NixlConnectorScheduler
+from pdserve.kv_connector.nixl.worker import NixlConnectorWorker
+from pdserve.outputs import ModelRunnerOutput
 from pdserve.request import Request
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.scheduler import Scheduler
@@ -86,7 +86,7 @@ class Instance:
         self.engine_id = "prefill" if role == "kv_producer" else "decode"
         config = kv_config(model, role, self.engine_id, transport)
         monkeypatch.setenv("PDSERVE_SIDE_CHANNEL_PORT", str(get_open_port()))
-        self.connector = NixlConnector(config, KVConnectorRole.SCHEDULER)
+        self.connector = NixlConnectorScheduler(config)
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
@@ -95,7 +95,7 @@ class Instance:
             use_v2,
             kv_connector=self.connector,
         )
-        self.worker = NixlConnector(config, KVConnectorRole.WORKER, 0)
+        self.worker = NixlConnectorWorker(config, 0)
         self.cache = cache(num_blocks, filled=role == "kv_producer")
         self.worker.register_kv_caches(self.cache)
         if role == "kv_producer":
@@ -109,21 +109,10 @@ class Instance:
     ) -> ModelRunnerOutput:
         """The worker's side of one step: one token for each request the step takes to all its
         known tokens (EOS for the ids in `eos`), and the connector's news."""
-        worker = self.worker
-        if out.kv_connector_metadata is not None:
-            worker.bind_connector_metadata(out.kv_connector_metadata)
-        worker.start_load_kv()
+        self.worker.pre_forward(out)
         if forward is not None:
             forward(out)
-        worker.wait_for_save()
-        sending, recving = worker.get_finished(out.finished_req_ids)
-        kv = KVConnectorOutput(
-            sending,
-            recving,
-            worker.get_block_ids_with_load_errors(),
-            worker.get_worker_stats() or None,
-            worker.get_load_errors() or None,
-        )
+        kv = self.worker.post_forward(out)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:

@@ -39,7 +39,7 @@ def _staged(model: str, role: str, **kwargs: object) -> Scheduler:
 
 
 def _pool(scheduler: Scheduler) -> StagingPool:
-    staging = scheduler.connector.scheduler.staging
+    staging = scheduler.connector.staging
     assert staging is not None
     return staging
 

@@ -124,7 +124,7 @@ def test_lease_board_slots_are_bounded_and_cleared(model: str) -> None:
     comes back when the lease ends (the workers cleared it) or, cleared by an order, when the
     request will not be read."""
     scheduler = create_scheduler(model, kv_role="kv_producer")
-    board = scheduler.connector.scheduler.board
+    board = scheduler.connector.board
     board.size(1)
     first, second = (create_request(i, 20, do_remote_decode=True) for i in (1, 2))
     scheduler.add_request(first)

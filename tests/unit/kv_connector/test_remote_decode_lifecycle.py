@@ -54,20 +54,20 @@ def test_basic_lifecycle(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
     blocks = scheduler.kv_cache_manager.get_blocks(req_id)
     # The lease's board slot and tag, which the reader checks after its READ.
-    stamp = scheduler.connector.scheduler.board.held[req_id]
-    lease = scheduler.connector.kv_transfer_config.kv_lease_duration
+    stamp = scheduler.connector.board.held[req_id]
+    lease = scheduler.connector.lease_duration
     assert output.kv_transfer_params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_block_ids": [b.block_id for b in blocks],
-        "remote_engine_id": scheduler.connector.kv_transfer_config.engine_id,
+        "remote_engine_id": scheduler.connector.engine_id,
         "remote_request_id": req_id,
         "remote_host": envs.side_channel_host(),
         "remote_port": envs.side_channel_port(),
         "tp_size": 1,
         "remote_num_tokens": request.num_prompt_tokens,
         "remote_cached_tokens": 0,
-        "remote_epoch": scheduler.connector.scheduler.epoch,
+        "remote_epoch": scheduler.connector.epoch,
         "remote_lease": {"slot": stamp.slot, "tag": stamp.tag, "seconds": lease},
         "first_token_id": request.output_token_ids[0],
     }
@@ -82,7 +82,7 @@ def test_basic_lifecycle(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The workers learn the lease: free the blocks unread after kv_lease_duration.
     reqs_to_send = connector_meta(out).reqs_to_send
     assert list(reqs_to_send) == [req_id]
-    lease = scheduler.connector.kv_transfer_config.kv_lease_duration
+    lease = scheduler.connector.lease_duration
     assert reqs_to_send[req_id] == _Clock.NOW + lease
     scheduler.update_from_output(out, EMPTY_MODEL_RUNNER_OUTPUT)
     assert scheduler.connector.has_pending_transfers()

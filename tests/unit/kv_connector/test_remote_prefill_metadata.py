@@ -18,7 +18,7 @@ from .utils import (
 
 def test_recv_metadata_names_the_remote_blocks(model: str) -> None:
     scheduler = create_scheduler(model)
-    assert scheduler.connector.scheduler.server is None  # no side channel until handshakes
+    assert scheduler.connector.server is None  # no side channel until handshakes
     request = create_request(1, int(2.5 * BLOCK_SIZE), do_remote_prefill=True)
     scheduler.add_request(request)
     meta = connector_meta(step(scheduler, []))

@@ -10,9 +10,8 @@ from typing import Any
 import msgspec
 
 from pdserve.config import EngineConfig
-from pdserve.kv_connector.base import KVConnectorRole
-from pdserve.kv_connector.nixl.connector import NixlConnector
 from pdserve.kv_connector.nixl.metadata import NixlConnectorMetadata
+from pdserve.kv_connector.nixl.scheduler import NixlConnectorScheduler
 from pdserve.outputs import KVConnectorOutput, ModelRunnerOutput
 from pdserve.request import Request
 from pdserve.scheduler.output import SchedulerOutput
@@ -50,7 +49,7 @@ def create_scheduler(
             "kv_buffer_device": kv_buffer_device,
         },
     )
-    connector = NixlConnector(config, KVConnectorRole.SCHEDULER)
+    connector = NixlConnectorScheduler(config)
     return Scheduler(
         config.scheduler_config,
         config.cache_config,
