@@ -47,6 +47,7 @@ from pdserve.entrypoints.proxy_instances import (
     forwarded_error,
     upstream_error,
 )
+from pdserve.entrypoints.proxy_prompt_logprobs import PromptLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class PrefillLeg:
     # The prefill instance's answer when it is the whole of it: the client asked for one
     # token, or the first token stopped the request. No decode leg follows.
     answer: dict[str, Any] | None = None
+    # The prompt's logprobs the client asked for, which the decode instance does not compute.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def path(self) -> str:
@@ -195,6 +198,8 @@ def build_proxy_app(
         if "max_completion_tokens" in hop:
             hop["max_completion_tokens"] = 1
         hop.pop("stream_options", None)
+        if body.get("stream"):  # a stream never returns prompt_logprobs (0 is all it may ask)
+            hop.pop("prompt_logprobs", None)
         try:
             instance = pools["prefill"].pick()
         except OpenAIError as e:
@@ -220,7 +225,9 @@ def build_proxy_app(
         if not params:
             detail = f"{instance.url} answered without kv_transfer_params (no KV connector?)"
             return PrefillLeg(instance, reason="no-kv-transfer-params", detail=detail)
-        return PrefillLeg(instance, params)
+        return PrefillLeg(
+            instance, params, prompt_logprobs=PromptLogprobs.from_hop(body, answer, endpoint)
+        )
 
     async def split(
         request: Request, request_id: str, body: dict[str, Any], endpoint: str, arrival: float
@@ -229,6 +236,14 @@ def build_proxy_app(
         headers = {"X-Request-Id": request_id}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
+        prompt_logprobs = body.get("prompt_logprobs")
+        if body.get("stream") and isinstance(prompt_logprobs, int) and prompt_logprobs > 0:
+            # vLLM's refusal, which the prefill instance would not give (its hop is not streamed).
+            raise OpenAIError(
+                400,
+                "`prompt_logprobs` are not available when `stream=True`.",
+                param="prompt_logprobs",
+            )
 
         prefill_start = time.perf_counter()
         leg = await prefill_leg(body, endpoint, headers)
@@ -243,7 +258,9 @@ def build_proxy_app(
                     "--strict-pd refuses to let the decode instance prefill.",
                 )
         elif leg.params is not None:
-            body = {**body, "kv_transfer_params": leg.params}
+            # Not prompt_logprobs: the decode instance does not compute the prompt.
+            body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
+            body["kv_transfer_params"] = leg.params
         # Tell the client how it was served and, for the demo, how much KV was handed over.
         out_headers = {
             "X-Request-Id": request_id,
@@ -281,6 +298,8 @@ def build_proxy_app(
             raise forwarded_error(decode_instance, answer)
         streaming = bool(body.get("stream"))
         chunks = answer.aiter_raw()
+        if streaming and leg.prompt_logprobs is not None:
+            chunks = leg.prompt_logprobs.fill_stream(chunks)
         try:
             # A stream's first chunk (the first token) before the headers, so that they can say
             # how long it took: the client's first token follows them at once.
@@ -300,6 +319,10 @@ def build_proxy_app(
         out_headers["Server-Timing"] = _server_timing(parts)
         if not streaming:
             await answer.aclose()
+            if leg.prompt_logprobs is not None:
+                whole = json.loads(first)
+                leg.prompt_logprobs.fill_answer(whole)
+                first = json.dumps(whole).encode()
             return Response(first, media_type="application/json", headers=out_headers)
 
         async def relay() -> AsyncIterator[bytes]:

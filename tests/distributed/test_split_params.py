@@ -3,8 +3,10 @@
 n > 1: the proxy's prefill hop is one sequence, one hand-off; the decode instance's n sequences
 share its one transfer (the others find its blocks in the prefix cache once it arrived), and
 seeded outputs are a single instance's. logprobs: the first token's come from the prefill
-instance with the token (it is shipped, not sampled again). echo: the prompt leads the text. Real processes: a prefill and a
-decode instance, `pdserve proxy` in front, and a plain `pdserve serve` as the reference."""
+instance with the token (it is shipped, not sampled again). echo: the prompt leads the text.
+prompt_logprobs, and echo with logprobs: the prefill instance computes the prompt's, the proxy
+puts them into the decode instance's answer. Real processes: a prefill and a decode instance,
+`pdserve proxy` in front, and a plain `pdserve serve` as the reference."""
 
 from __future__ import annotations
 
@@ -168,11 +170,117 @@ def test_echo(servers: dict[str, Any], stream: bool) -> None:
     _wait_pools_full(servers)
 
 
-def test_echo_with_logprobs_is_refused(servers: dict[str, Any]) -> None:
-    body = {"model": servers["model"], "prompt": "hi", "echo": True, "logprobs": 1}
-    resp = httpx.post(f"{servers['proxy'].url}/v1/completions", json=body, timeout=60)
-    assert resp.status_code == 400
-    assert "echo" in resp.json()["error"]["message"]
+def _assert_logprobs_close(got: dict, want: dict) -> None:
+    """Completion logprobs: tokens, offsets and top tokens exact, values within 1e-4."""
+    assert (got["tokens"], got["text_offset"]) == (want["tokens"], want["text_offset"])
+    assert [v is None for v in got["token_logprobs"]] == [v is None for v in want["token_logprobs"]]
+    for value, want_value in zip(got["token_logprobs"], want["token_logprobs"]):
+        assert value == pytest.approx(want_value, abs=1e-4)
+    for top, want_top in zip(got["top_logprobs"], want["top_logprobs"]):
+        assert (top is None) == (want_top is None)
+        if top is not None:
+            assert top.keys() == want_top.keys()
+            assert list(top.values()) == pytest.approx(list(want_top.values()), abs=1e-4)
+
+
+def _assert_prompt_logprobs_close(got: list, want: list) -> None:
+    """vLLM's prompt_logprobs: token ids and ranks exact, values within 1e-4."""
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    for entries, want_entries in zip(got[1:], want[1:]):
+        assert list(entries) == list(want_entries)
+        for tid, entry in entries.items():
+            assert entry["rank"] == want_entries[tid]["rank"]
+            assert entry["decoded_token"] == want_entries[tid]["decoded_token"]
+            assert entry["logprob"] == pytest.approx(want_entries[tid]["logprob"], abs=1e-4)
+
+
+def test_prompt_logprobs_come_from_the_prefill_instance(servers: dict[str, Any]) -> None:
+    """The prefill instance computes them with the prompt; the decode instance is not asked
+    (it loads the prompt's KV and recomputes nothing)."""
+    body = {**greedy_body(servers["model"], _prompt(salt=9), MAX_TOKENS), "prompt_logprobs": 2}
+    (want,) = _post(servers["plain"], body)[1]
+    decode = servers["decode"]
+    sources = _sources(decode)
+    headers, (got,) = _post(servers["proxy"], body)
+    assert headers["X-PD-Path"] == "remote"
+    assert got["token_ids"] == want["token_ids"]
+    assert len(want["prompt_logprobs"]) == PROMPT_LEN
+    _assert_prompt_logprobs_close(got["prompt_logprobs"], want["prompt_logprobs"])
+    assert _delta(sources, _sources(decode))["local_compute"] == 0
+    chat = {
+        "model": servers["model"],
+        "messages": [{"role": "user", "content": "the capital of France"}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "prompt_logprobs": 1,
+    }
+    answers = [
+        httpx.post(f"{servers[s].url}/v1/chat/completions", json=chat, timeout=120)
+        for s in ("plain", "proxy")
+    ]
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    assert answers[1].headers["X-PD-Path"] == "remote"
+    want_chat, got_chat = (a.json() for a in answers)
+    _assert_prompt_logprobs_close(got_chat["prompt_logprobs"], want_chat["prompt_logprobs"])
+    # vLLM's refusal, though the proxy's hop to the prefill instance is not streamed.
+    resp = httpx.post(
+        f"{servers['proxy'].url}/v1/completions", json={**body, "stream": True}, timeout=60
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
+    _wait_pools_full(servers)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs(servers: dict[str, Any], stream: bool) -> None:
+    """The prompt's entries lead each choice's logprobs (a stream's first chunk per choice):
+    the prefill instance's values in the decode instance's answer."""
+    body = {
+        "model": servers["model"],
+        "prompt": _prompt(salt=11 + stream),
+        "max_tokens": MAX_TOKENS,
+        "n": 2,
+        "seed": 99,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "echo": True,
+        "logprobs": 2,
+        "stream": stream,
+    }
+    _, want = _post_logprobs(servers["plain"], body)
+    assert len(want) == 2 and want[0]["text"] != want[1]["text"]
+    headers, got = _post_logprobs(servers["proxy"], body)
+    assert headers["X-PD-Path"] == "remote"
+    for choice, want_choice in zip(got, want):
+        assert (choice["text"], choice["token_ids"]) == (
+            want_choice["text"],
+            want_choice["token_ids"],
+        )
+        assert len(choice["logprobs"]["tokens"]) == PROMPT_LEN + MAX_TOKENS
+        assert all(v is not None for v in choice["logprobs"]["token_logprobs"][1:])
+        _assert_logprobs_close(choice["logprobs"], want_choice["logprobs"])
+    _wait_pools_full(servers)
+
+
+def _post_logprobs(server: RemoteServer, body: dict[str, Any]) -> tuple[httpx.Headers, list[dict]]:
+    """Choices by index with their completion logprobs; a stream's chunks joined."""
+    if not body.get("stream"):
+        return _post(server, body)
+    choices: dict[int, dict] = {}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line.removeprefix("data: "))["choices"]:
+                keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+                joined = choices.setdefault(
+                    c["index"], {"text": "", "token_ids": [], "logprobs": {k: [] for k in keys}}
+                )
+                joined["text"] += c["text"]
+                joined["token_ids"] += c["token_ids"]
+                for k in keys:
+                    joined["logprobs"][k] += c["logprobs"][k]
+        return resp.headers, [choices[i] for i in sorted(choices)]
 
 
 def test_n_with_a_first_token_that_stops_is_served_locally_and_told(
