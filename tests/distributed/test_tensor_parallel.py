@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pdserve import LLM
+from pdserve import LLM, SamplingParams
 from pdserve.distributed import parallel_state
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_source
 from tests.unit.engine.test_correctness import make_prompts, reference, run
@@ -72,7 +72,8 @@ def test_two_ranks_match_hf(tmp_path: Path) -> None:
 
 
 def test_llm_tp2_matches_hf(tiny_model: Callable[[str], str]) -> None:
-    """OPT has as many KV heads as heads: each rank caches its half of them."""
+    """OPT has as many KV heads as heads: each rank caches its half of them. Prompt logprobs
+    come through the sharded LM head's gather and the executor's wire."""
     path = tiny_model("opt")
     with LLM(
         model=path,
@@ -83,3 +84,16 @@ def test_llm_tp2_matches_hf(tiny_model: Callable[[str], str]) -> None:
     ) as llm:
         prompts = make_prompts(VOCAB_SIZE)[::2]
         assert run(llm, prompts) == reference(path, prompts)
+        prompt = prompts[1]
+        (out,) = llm.generate(
+            {"prompt_token_ids": prompt},
+            SamplingParams(max_tokens=1, prompt_logprobs=2),
+            use_tqdm=False,
+        )
+    want = hf_logits(load_hf_model(Path(path)), prompt).log_softmax(dim=-1)
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    for pos, entries in enumerate(out.prompt_logprobs[1:]):
+        token, top = prompt[pos + 1], want[pos].topk(2).indices.tolist()
+        assert list(entries) == list(dict.fromkeys([token, *top]))
+        assert entries[token].rank == int((want[pos] >= want[pos, token]).sum())
+        assert entries[token].logprob == pytest.approx(float(want[pos, token]), abs=1e-4)
