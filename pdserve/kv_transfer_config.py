@@ -11,7 +11,6 @@ import torch
 from pdserve.validation import check_choice
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-TRANSPORTS = ("nixl", "ucx")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 KV_BUFFER_DEVICES = ("cuda", "cpu")
 _EXTRA_KEYS = {
@@ -41,6 +40,7 @@ class KVTransferConfig:
 
     def __post_init__(self) -> None:
         from pdserve.kv_connector.factory import CONNECTORS
+        from pdserve.kv_connector.transport import TRANSPORTS
 
         CONNECTORS.check(self.kv_connector)
         check_choice("kv_transfer_config.kv_role", self.kv_role, KV_ROLES)
@@ -56,9 +56,7 @@ class KVTransferConfig:
                 f"kv_transfer_config.kv_connector_extra_config has unknown keys {sorted(unknown)}; "
                 f"known: {sorted(_EXTRA_KEYS)}."
             )
-        check_choice(
-            "kv_transfer_config.kv_connector_extra_config.transport", self.transport, TRANSPORTS
-        )
+        TRANSPORTS.check(self.transport)
         check_choice(
             "kv_transfer_config.kv_connector_extra_config.kv_load_failure_policy",
             self.kv_load_failure_policy,
