@@ -4,8 +4,7 @@ Decode side: a request to load is parked until its prefill engine is known (a ha
 background thread), then READ block runs straight into the KV cache (equal TP) or into a staging
 area from which this rank's heads are copied (heterogeneous TP). The prefill side is told by the
 transport's notification when the bytes have left. Prefill side: finished requests hold their
-blocks under a lease; a `done` notification from every reader frees them, heartbeats extend
-the lease, expiry frees them anyway. Nothing here raises out of a step: a failure ends the one
+blocks under a lease (lease.py). Nothing here raises out of a step: a failure ends the one
 request (its blocks reported invalid) and is counted.
 
 With host staging the transport registers a host buffer instead of the cache: the prefill side
@@ -26,6 +25,7 @@ import torch
 from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.kv_connector.nixl.handshake import HandshakeError, fetch_agent_metadata
+from pdserve.kv_connector.nixl.lease import LeaseHolder
 from pdserve.kv_connector.nixl.metadata import (
     AgentMetadata,
     HandshakePayload,
@@ -84,13 +84,6 @@ class _Load:
     checks: list[tuple[int, torch.Tensor]] | None = None  # (handle, where the slot lands)
 
 
-@dataclass
-class _Lease:
-    expiry: float
-    reads_seen: int = 0
-    readers_needed: int = 1
-
-
 class NixlConnectorWorker:
     def __init__(self, config: EngineConfig, tp_rank: int) -> None:
         kv = config.kv_transfer_config
@@ -132,18 +125,12 @@ class NixlConnectorWorker:
         self._done_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._load_errors: dict[str, str] = {}  # request id -> why its load failed
-        self._leases: dict[str, _Lease] = {}
-        self._done_sending: set[str] = set()
-        # Done notifications that beat their lease: request id -> (count, when), and readers.
-        self._early_reads: dict[str, tuple[int, float]] = {}
-        self._readers_needed: dict[str, int] = {}
+        # Prefill side: the leases of finished requests' blocks, and the board peers check.
+        self.leases = LeaseHolder(self.lease_duration)
         self._stats: dict[str, float] = {}
         self.max_num_seqs = config.scheduler_config.max_num_seqs
-        # Prefill side: the lease board peers read (slot -> tag of a lease alive), and the slot
-        # of each request that holds one. Decode side: where the board slots it reads land.
-        self.board: torch.Tensor | None = None
         self.board_region = -1
-        self._slots: dict[str, int] = {}
+        # Decode side: where the board slots it reads land.
         self._checks: dict[int, tuple[int, torch.Tensor]] = {}  # remote ranks -> region, tensor
         # Decode side: handshakes heartbeats asked for (engine -> when), requests that already
         # handshook again because their prefill instance's epoch had changed.
@@ -165,8 +152,8 @@ class NixlConnectorWorker:
         self.region = region
         self.transport.register_region(region)
         # One slot per request that can hold a lease at once, as the scheduler sizes its own.
-        self.board = torch.zeros(region.shape[0] + self.max_num_seqs, dtype=torch.int64)
-        self.board_region = self.transport.register_region(self.board)
+        board = self.leases.make_board(region.shape[0] + self.max_num_seqs)
+        self.board_region = self.transport.register_region(board)
         self.topology = Topology(
             kv_cache, self.tp_rank, self.tp_size, self.transport, region.device
         )
@@ -189,7 +176,7 @@ class NixlConnectorWorker:
             str(region.dtype).removeprefix("torch."),
             memory_kind(region),
             self.board_region,
-            0 if self.board is None else self.board.numel(),
+            0 if self.leases.board is None else self.leases.board.numel(),
         )
         return msgspec.msgpack.encode(
             HandshakePayload(self.compat_hash, msgspec.msgpack.encode(meta), self.compat_factors)
@@ -220,19 +207,8 @@ class NixlConnectorWorker:
     def start_load_kv(self) -> None:
         meta, self._meta = self._meta, NixlConnectorMetadata()
         self._saves = meta.reqs_to_save
-        for req_id, stamp in meta.lease_stamps.items():
-            assert self.board is not None
-            self.board[stamp.slot] = stamp.tag
-            if stamp.tag:
-                self._slots[req_id] = stamp.slot
-            else:
-                self._slots.pop(req_id, None)
-        for req_id, expiry in meta.reqs_to_send.items():
-            lease = self._leases[req_id] = _Lease(expiry)
-            if req_id in self._early_reads:
-                lease.reads_seen = self._early_reads.pop(req_id)[0]
-                lease.readers_needed = self._readers_needed.pop(req_id)
-                self._settle(req_id, lease)
+        self.leases.stamp(meta.lease_stamps)
+        self.leases.hold(meta.reqs_to_send)
         self._waiting.update(meta.reqs_to_recv)
         for engine_id, remote_ids in meta.heartbeats.items():
             engine = self._engines.get(engine_id)
@@ -427,22 +403,10 @@ class NixlConnectorWorker:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         self._finish_handshakes()
         self._poll_notifications()
-        now = time.time()
-        for req_id in [r for r, lease in self._leases.items() if lease.expiry < now]:
-            del self._leases[req_id]
-            logger.warning(
-                "Releasing the KV blocks of request %s: its lease expired unread.", req_id
-            )
-            self._count("expired_leases")
-            self._end_lease(req_id)
-        for req_id in [
-            r for r, (_, seen) in self._early_reads.items() if seen < now - self.lease_duration
-        ]:
-            # Its lease never came (aborted here before it finished): forget it.
-            del self._early_reads[req_id]
-            self._readers_needed.pop(req_id, None)
+        done_sending, num_expired = self.leases.take_ended()
+        if num_expired:
+            self._count("expired_leases", num_expired)
         self._poll_loads()
-        done_sending, self._done_sending = self._done_sending, set()
         done_recving, self._done_recving = self._done_recving, set()
         return done_sending or None, done_recving or None
 
@@ -471,33 +435,7 @@ class NixlConnectorWorker:
                 logger.warning("Dropped an undecodable notification from %s", sender)
                 self._count("failed_notifications")
                 continue
-            for req_id in notif.request_ids:
-                lease = self._leases.get(req_id)
-                if notif.kind == "heartbeat":
-                    if lease is not None:
-                        lease.expiry = max(lease.expiry, time.time() + self.lease_duration * 2 / 3)
-                elif lease is None:
-                    # Read before this worker saw the lease (it comes with the next step).
-                    count, _ = self._early_reads.get(req_id, (0, 0.0))
-                    self._early_reads[req_id] = (count + 1, time.time())
-                    self._readers_needed[req_id] = notif.num_readers
-                else:
-                    lease.reads_seen += 1
-                    lease.readers_needed = notif.num_readers
-                    self._settle(req_id, lease)
-
-    def _settle(self, req_id: str, lease: _Lease) -> None:
-        if lease.reads_seen >= lease.readers_needed:
-            del self._leases[req_id]
-            self._end_lease(req_id)
-
-    def _end_lease(self, req_id: str) -> None:
-        """The blocks go back to the scheduler: a reader checking the slot from now on fails."""
-        slot = self._slots.pop(req_id, None)
-        if slot is not None:
-            assert self.board is not None
-            self.board[slot] = 0
-        self._done_sending.add(req_id)
+            self.leases.notify(notif)
 
     def _poll_loads(self) -> None:
         assert self.topology is not None

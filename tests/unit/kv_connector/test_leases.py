@@ -10,9 +10,11 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
+from pdserve.kv_connector.nixl import lease as nixl_lease
 from pdserve.kv_connector.nixl import scheduler as nixl_scheduler
 from pdserve.kv_connector.nixl import worker as nixl_worker
 from pdserve.kv_connector.nixl.handshake import HandshakeServer
@@ -23,6 +25,7 @@ from pdserve.kv_connector.nixl.metadata import (
     RemoteAddress,
 )
 from pdserve.kv_connector.nixl.worker import NixlConnectorWorker
+from pdserve.kv_connector.params import KVTransferParams, RemoteLease
 from pdserve.request import FinishReason, Request, RequestStatus
 from tests.unit.scheduler.conftest import make_request
 
@@ -62,6 +65,7 @@ class Clock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
     monkeypatch.setattr(nixl_worker, "time", clock)
+    monkeypatch.setattr(nixl_lease, "time", clock)
     monkeypatch.setattr(nixl_scheduler, "time", clock)
     return clock
 
@@ -81,7 +85,7 @@ def instances(model: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[
 
 def _remote(request: Request, seconds: float) -> Request:
     assert request.kv_transfer_params is not None
-    request.kv_transfer_params["remote_lease"] = {"slot": 0, "tag": 5, "seconds": seconds}
+    request.kv_transfer_params.remote_lease = RemoteLease(0, 5, seconds)
     return request
 
 
@@ -154,7 +158,7 @@ def test_lease_board_slots_are_bounded_and_cleared(model: str) -> None:
 
 def _prefill(p: Instance, prompt: list[int], req_id: str) -> dict[str, Any]:
     request = make_request(req_id, prompt=prompt, max_tokens=1)
-    request.kv_transfer_params = {"do_remote_decode": True}
+    request.kv_transfer_params = KVTransferParams(do_remote_decode=True)
     p.scheduler.add_request(request)
     _, outputs = p.step()
     (output,) = outputs
@@ -162,9 +166,9 @@ def _prefill(p: Instance, prompt: list[int], req_id: str) -> dict[str, Any]:
     return output.kv_transfer_params
 
 
-def _decode(d: Instance, params: dict[str, Any], prompt: list[int], req_id: str) -> Request:
+def _decode(d: Instance, params: KVTransferParams, prompt: list[int], req_id: str) -> Request:
     request = make_request(req_id, prompt=prompt, max_tokens=2)
-    request.kv_transfer_params = dict(params)
+    request.kv_transfer_params = msgspec.structs.replace(params)
     d.scheduler.add_request(request)
     return request
 
@@ -191,7 +195,7 @@ def test_read_after_the_lease_ended_fails_not_another_requests_kv(
     p.step()  # the lease expires unread: the blocks are free
     assert not p.scheduler.requests
     # Another request took them and wrote its KV.
-    p.cache[params["remote_block_ids"]] = -1.0
+    p.cache[params.remote_block_ids] = -1.0
     late = _decode(d, params, prompt, "late")
     _run(p, late, d=d)
     assert late.get_finished_reason() == FinishReason.ERROR
@@ -220,7 +224,7 @@ def test_restarted_engine_is_handshaked_again(
     p = instances("kv_producer")  # engine id "prefill" again
     prompt = list(range(300, 320))
     params = _prefill(p, prompt, "b")
-    assert params["remote_epoch"] != first.kv_transfer_params["remote_epoch"]  # type: ignore[index]
+    assert params.remote_epoch != first.kv_transfer_params.remote_epoch  # type: ignore[index]
     with caplog.at_level(logging.WARNING):
         second = _decode(d, params, prompt, "b")
         _run(p, second, d=d)

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import torch
 
+from pdserve.kv_connector.nixl import lease as nixl_lease
 from pdserve.kv_connector.nixl import worker as nixl_worker
 from pdserve.kv_connector.nixl.handshake import HandshakeServer
 from pdserve.kv_connector.nixl.metadata import (
@@ -49,6 +50,7 @@ class Clock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
     monkeypatch.setattr(nixl_worker, "time", clock)
+    monkeypatch.setattr(nixl_lease, "time", clock)
     return clock
 
 
