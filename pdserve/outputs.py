@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
+
+from pdserve.kv_connector.params import KVTransferParams
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
@@ -113,12 +114,14 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: LogprobsLists | None = None
     finish_reason: int | None = None  # a FinishReason value
     stop_reason: int | str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     num_cached_tokens: int = 0
     # With finish_reason ERROR: why the request failed, for its client.
     error: str | None = None
     # With the request's first token, if it asked for them (LogprobsLists' prompt form).
     prompt_logprobs: LogprobsLists | None = None
+    # With its last output: its KV load failed and the rest was recomputed here.
+    kv_load_recomputed: bool = False
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -162,5 +165,6 @@ class RequestOutput:
     # DELTA stream has them in its first output only).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_load_recomputed: bool = False  # see EngineCoreOutput

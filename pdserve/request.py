@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import sys
 import time
-from typing import Any
 
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
 
@@ -59,7 +59,7 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -86,6 +86,9 @@ class Request:
         # found in its own prefix cache.
         self.num_local_cached_tokens = 0
         self.num_remote_cached_tokens = 0
+        # Its KV load failed and kv_load_failure_policy "recompute" prefilled the rest here:
+        # its response says so (X-PD-Path: local; reason=kv-load-failed).
+        self.kv_load_recomputed = False
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens
         # Plain attributes, not properties: the scheduler reads them for every request and

@@ -20,6 +20,7 @@ from pdserve.engine.input_processor import ChatMessages, InputProcessor, PromptT
 from pdserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.kv_connector.first_token import shipped_logprobs
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.metrics import EngineMetrics
 from pdserve.models import loader
 from pdserve.outputs import EngineCoreOutput, RequestOutput, RequestOutputKind
@@ -73,7 +74,7 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams,
         request_id: str,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's output after every step that changed it, as `output_kind` says:
@@ -93,8 +94,10 @@ class AsyncLLM:
         # n > 1 sequences reading one hand-off: the first reads it, the others wait here until
         # the engine answers for the first (its KV has then arrived and is in the prefix cache).
         first_id = children[0][0]
-        shared_read = len(children) > 1 and bool(
-            (kv_transfer_params or {}).get("do_remote_prefill")
+        shared_read = (
+            len(children) > 1
+            and kv_transfer_params is not None
+            and kv_transfer_params.do_remote_prefill
         )
         try:
             if shared_read:
@@ -155,10 +158,12 @@ class AsyncLLM:
             self.metrics.record_kv_connector_stats(kv_stats)
         return stats
 
-    async def release_remote_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+    async def release_remote_kv(
+        self, request_id: str, kv_transfer_params: KVTransferParams
+    ) -> None:
         """The request was refused before reaching the engine: the prefill instance holding its
         KV is told to free it now rather than at the end of its lease."""
-        if kv_transfer_params.get("do_remote_prefill"):
+        if kv_transfer_params.do_remote_prefill:
             await self.client.call_utility("release_remote_kv", request_id, kv_transfer_params)
 
     async def reset_prefix_cache(self) -> bool:

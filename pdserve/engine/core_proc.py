@@ -28,6 +28,7 @@ from pdserve.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.utils import FAILED, READY, exit_with_parent
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,10 @@ class EngineCoreProc:
         self.utilities: dict[str, Callable[..., Any]] = {
             "get_stats": self.engine.get_stats,
             "reset_prefix_cache": self.engine.reset_prefix_cache,
-            "release_remote_kv": self.engine.release_remote_kv,
+            # Utility arguments arrive as plain msgpack: the params are typed again here.
+            "release_remote_kv": lambda request_id, params: self.engine.release_remote_kv(
+                request_id, msgspec.convert(params, KVTransferParams)
+            ),
         }
 
     def run(self) -> None:

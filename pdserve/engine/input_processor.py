@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from pdserve.config import EngineConfig
 from pdserve.engine.messages import EngineCoreRequest
 from pdserve.kv_connector.first_token import shipped_first_token
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]  # a string, or {"prompt_token_ids": [...]}
@@ -71,7 +72,7 @@ class InputProcessor:
         request_id: str,
         token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
     ) -> EngineCoreRequest:
         # Extra EOS ids of the generation config stop generation like stop_token_ids do.

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.outputs import EngineCoreOutput
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     priority: int = 0
     # Generated elsewhere (the token a prefill instance sampled): the request continues after
     # them, and their outputs are not sent again.

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.kv_connector.first_token import first_token_logprobs
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.outputs import (
     CompletionOutput,
     EngineCoreOutput,
@@ -85,7 +86,8 @@ class _RequestState:
     sequences: list[_SequenceState]
     output_kind: RequestOutputKind
     num_cached_tokens: int = 0
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    kv_load_recomputed: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # DELTA: they go in one output
 
@@ -115,6 +117,7 @@ class _RequestState:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_params=self.kv_transfer_params,
+            kv_load_recomputed=self.kv_load_recomputed,
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -205,14 +208,15 @@ class OutputProcessor:
                 state.prompt_logprobs = self._prompt_logprobs(out.prompt_logprobs)
             stop_str = seq.detokenizer.update(out.new_token_ids)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            state.kv_load_recomputed |= out.kv_load_recomputed
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
                 if (
                     out.new_logprobs is not None
-                    and out.kv_transfer_params.get("first_token_id") is not None
+                    and out.kv_transfer_params.first_token_id is not None
                 ):
                     # A prefill hop's row, for the decode side to stream with the token.
-                    out.kv_transfer_params["first_token_logprobs"] = first_token_logprobs(
+                    out.kv_transfer_params.first_token_logprobs = first_token_logprobs(
                         out.new_logprobs
                     )
             if stop_str is not None:

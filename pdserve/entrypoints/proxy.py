@@ -48,6 +48,7 @@ from pdserve.entrypoints.proxy_instances import (
     upstream_error,
 )
 from pdserve.entrypoints.proxy_prompt_logprobs import PromptLogprobs
+from pdserve.kv_connector.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class PrefillLeg:
     """The first hop's outcome: the KV to hand over, or why the decode instance prefills."""
 
     instance: Instance | None = None
-    params: dict[str, Any] | None = None
+    params: KVTransferParams | None = None
     reason: str | None = None  # set when the path is local
     detail: str = ""
     # The prefill instance's answer when it is the whole of it: the client asked for one
@@ -192,7 +193,7 @@ def build_proxy_app(
         # instance's n sequences share. The hop's sequence is the client's first (same seed).
         hop = {**body, "max_tokens": 1, "stream": False, "n": 1}
         if not one_token:  # a one-token request needs no decode leg: nothing is handed over
-            hop["kv_transfer_params"] = {"do_remote_decode": True}
+            hop["kv_transfer_params"] = KVTransferParams(do_remote_decode=True).to_json()
         if hop.get("min_tokens"):  # it forbids a stop at the first token here as it would there
             hop["min_tokens"] = 1
         if "max_completion_tokens" in hop:
@@ -221,13 +222,27 @@ def build_proxy_app(
         if stopped:  # the first sequence is done, the others need the KV, which was not kept
             detail = f"{instance.url}: the first token stopped the request's first sequence"
             return PrefillLeg(instance, reason="first-token-stopped", detail=detail)
-        params = answer.get("kv_transfer_params")
-        if not params:
+        if not answer.get("kv_transfer_params"):
             detail = f"{instance.url} answered without kv_transfer_params (no KV connector?)"
             return PrefillLeg(instance, reason="no-kv-transfer-params", detail=detail)
+        try:
+            params = KVTransferParams.from_json(answer["kv_transfer_params"])
+        except ValueError as e:
+            return PrefillLeg(
+                instance, reason="bad-kv-transfer-params", detail=f"{instance.url}: {e}"
+            )
+        if not params.reads_remote():
+            missing = ", ".join(params.missing_remote_fields()) or "do_remote_prefill"
+            detail = f"{instance.url} answered kv_transfer_params without {missing}"
+            return PrefillLeg(instance, reason="bad-kv-transfer-params", detail=detail)
         return PrefillLeg(
             instance, params, prompt_logprobs=PromptLogprobs.from_hop(body, answer, endpoint)
         )
+
+    def count_remote(streaming: bool, leg: PrefillLeg) -> None:
+        """The count `split` leaves for a whole remote answer, once its decode leg ended."""
+        if leg.path == "remote" and not streaming:
+            requests_by_path.labels("remote", "none").inc()
 
     async def split(
         request: Request, request_id: str, body: dict[str, Any], endpoint: str, arrival: float
@@ -248,7 +263,10 @@ def build_proxy_app(
         prefill_start = time.perf_counter()
         leg = await prefill_leg(body, endpoint, headers)
         prefill_s = time.perf_counter() - prefill_start
-        requests_by_path.labels(leg.path, leg.reason or "none").inc()
+        streaming = bool(body.get("stream"))
+        # A whole remote answer is counted once the decode instance said how it served it.
+        if leg.path != "remote" or streaming:
+            requests_by_path.labels(leg.path, leg.reason or "none").inc()
         if leg.reason is not None:
             logger.info("Request %s served locally (%s): %s", request_id, leg.reason, leg.detail)
             if strict_pd:
@@ -260,12 +278,14 @@ def build_proxy_app(
         elif leg.params is not None:
             # Not prompt_logprobs: the decode instance does not compute the prompt.
             body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
-            body["kv_transfer_params"] = leg.params
+            body["kv_transfer_params"] = leg.params.to_json()
         # Tell the client how it was served and, for the demo, how much KV was handed over.
         out_headers = {
             "X-Request-Id": request_id,
             "X-PD-Path": leg.header,
-            "X-PD-KV-Blocks": str(len((leg.params or {}).get("remote_block_ids") or [])),
+            "X-PD-KV-Blocks": str(
+                len(leg.params.remote_block_ids or []) if leg.params is not None else 0
+            ),
         }
         if leg.instance is not None:
             out_headers["X-PD-Prefill-Instance"] = leg.instance.url
@@ -291,12 +311,13 @@ def build_proxy_app(
         try:
             answer = await decode_instance.client.send(upstream, stream=True)
         except httpx.HTTPError as e:
+            count_remote(streaming, leg)
             raise upstream_error(decode_instance, e) from None
         if answer.status_code != 200:
             await answer.aread()
             await answer.aclose()
+            count_remote(streaming, leg)
             raise forwarded_error(decode_instance, answer)
-        streaming = bool(body.get("stream"))
         chunks = answer.aiter_raw()
         if streaming and leg.prompt_logprobs is not None:
             chunks = leg.prompt_logprobs.fill_stream(chunks)
@@ -305,6 +326,7 @@ def build_proxy_app(
             # how long it took: the client's first token follows them at once.
             first = await anext(chunks, b"") if streaming else await answer.aread()
         except BaseException as e:  # the client gone too: closing aborts the decode request
+            count_remote(streaming, leg)
             await answer.aclose()
             if isinstance(e, httpx.HTTPError):
                 raise upstream_error(decode_instance, e) from None
@@ -319,6 +341,13 @@ def build_proxy_app(
         out_headers["Server-Timing"] = _server_timing(parts)
         if not streaming:
             await answer.aclose()
+            decode_path = answer.headers.get("X-PD-Path", "")
+            if leg.path == "remote" and decode_path.startswith("local; reason="):
+                # The decode instance recomputed the prompt (its KV load failed).
+                out_headers["X-PD-Path"] = decode_path
+                requests_by_path.labels("local", decode_path.removeprefix("local; reason=")).inc()
+            else:
+                count_remote(streaming, leg)
             if leg.prompt_logprobs is not None:
                 whole = json.loads(first)
                 leg.prompt_logprobs.fill_answer(whole)

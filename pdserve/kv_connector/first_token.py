@@ -18,14 +18,13 @@ With n > 1 only the first sequence continues from the shipped token: it has the 
 
 from __future__ import annotations
 
-from typing import Any
-
+from pdserve.kv_connector.params import FirstTokenLogprobs, KVTransferParams
 from pdserve.outputs import LogprobsLists
 from pdserve.sampling_params import SamplingParams
 
 
 def shipped_first_token(
-    kv_transfer_params: dict[str, Any] | None,
+    kv_transfer_params: KVTransferParams | None,
     params: SamplingParams,
     stop_token_ids: list[int],
     num_prompt_tokens: int,
@@ -39,9 +38,11 @@ def shipped_first_token(
     either way the decode side samples for itself. Any other token is what this instance would
     have sampled too: greedy takes the same argmax, and seeded noise depends on (seed, position)
     alone."""
-    kv = kv_transfer_params or {}
-    token = kv.get("first_token_id")
-    if not kv.get("do_remote_prefill") or not isinstance(token, int) or token in stop_token_ids:
+    kv = kv_transfer_params
+    if kv is None or not kv.do_remote_prefill:
+        return None
+    token = kv.first_token_id
+    if token is None or token in stop_token_ids:
         return None
     if params.n != 1:  # a parent's params: each of its sequences decides with its own
         return None
@@ -54,33 +55,25 @@ def shipped_first_token(
     return token
 
 
-def first_token_logprobs(row: LogprobsLists) -> dict[str, Any]:
+def first_token_logprobs(row: LogprobsLists) -> FirstTokenLogprobs:
     """Prefill side: the shipped token's row (the step's one row for the request)."""
-    return {
-        "token_ids": list(row.logprob_token_ids[0]),
-        "logprobs": list(row.logprobs[0]),
-        "rank": row.sampled_token_ranks[0],
-    }
+    return FirstTokenLogprobs(
+        list(row.logprob_token_ids[0]), list(row.logprobs[0]), row.sampled_token_ranks[0]
+    )
 
 
-def shipped_logprobs(kv_transfer_params: dict[str, Any], num_logprobs: int) -> LogprobsLists | None:
+def shipped_logprobs(
+    kv_transfer_params: KVTransferParams, num_logprobs: int
+) -> LogprobsLists | None:
     """Decode side: the shipped token's row, cut to this request's width (the sampled token and
     `num_logprobs` top ones: a batch's rows are as wide as its widest request's), if the params
     carry one for that token at least that wide; None otherwise."""
-    entry = kv_transfer_params.get("first_token_logprobs")
-    if not isinstance(entry, dict):
-        return None
-    ids, values, rank = entry.get("token_ids"), entry.get("logprobs"), entry.get("rank")
+    entry = kv_transfer_params.first_token_logprobs
     if not (
-        isinstance(ids, list)
-        and isinstance(values, list)
-        and len(ids) == len(values) > num_logprobs
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        and isinstance(rank, int)
-        and not isinstance(rank, bool)
-        and ids[0] == kv_transfer_params.get("first_token_id")
+        entry is not None
+        and len(entry.token_ids) == len(entry.logprobs) > num_logprobs
+        and entry.token_ids[0] == kv_transfer_params.first_token_id
     ):
         return None
     width = num_logprobs + 1
-    return LogprobsLists([ids[:width]], [[float(v) for v in values[:width]]], [rank])
+    return LogprobsLists([entry.token_ids[:width]], [entry.logprobs[:width]], [entry.rank])

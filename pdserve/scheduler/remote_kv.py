@@ -231,6 +231,7 @@ class RemoteKVRequests:
             if recompute:
                 num_good_tokens = first_bad * block_size
                 request.num_computed_tokens = min(request.num_computed_tokens, num_good_tokens)
+                request.kv_load_recomputed = True
             else:
                 failed.append(request)
         if not failed:

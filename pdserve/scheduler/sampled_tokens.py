@@ -91,6 +91,7 @@ def apply_sampled_tokens(
                 request.stop_reason,
                 None,
                 request.num_cached_tokens,
+                kv_load_recomputed=request.kv_load_recomputed,
             )
             stopped.append((request, output))
             append_output(output)

@@ -11,7 +11,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -40,9 +40,10 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def with_cancellation(
-    request: Request, work: Awaitable[dict[str, Any]]
-) -> dict[str, Any] | None:
+T = TypeVar("T")
+
+
+async def with_cancellation(request: Request, work: Awaitable[T]) -> T | None:
     """Run a non-streaming handler; if the client goes away first, cancel it (which aborts)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_until_disconnected(request))
@@ -116,7 +117,7 @@ def build_app(
     async def respond(
         request: Request,
         stream: bool,
-        full: Callable[[], Awaitable[dict]],
+        full: Callable[[], Awaitable[tuple[dict, dict[str, str]]]],
         chunks: Callable[[], AsyncIterator[str]],
     ) -> Response:
         if stream:
@@ -127,10 +128,11 @@ def build_app(
             except StopAsyncIteration:
                 first = ""
             return StreamingResponse(_prepend(first, iterator), media_type="text/event-stream")
-        body = await with_cancellation(request, full())
-        if body is None:
+        answer = await with_cancellation(request, full())
+        if answer is None:
             return Response(status_code=499)
-        return JSONResponse(body)
+        body, headers = answer
+        return JSONResponse(body, headers=headers)
 
     async def refusing(
         body: CompletionRequest | ChatCompletionRequest, rid: str, work: Awaitable[Response]

@@ -10,38 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
-
-KV_TRANSFER_PARAM_TYPES: dict[str, tuple[type, ...]] = {
-    "do_remote_prefill": (bool,),
-    "do_remote_decode": (bool,),
-    "remote_block_ids": (list,),
-    "remote_engine_id": (str,),
-    "remote_request_id": (str,),
-    "remote_host": (str,),
-    "remote_port": (int,),
-    "tp_size": (int,),
-    "remote_num_tokens": (int,),
-    "remote_cached_tokens": (int,),
-    "first_token_id": (int,),
-}
-
-
-def check_kv_transfer_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Each known key None or of its type (bool is not an int here); remote_block_ids ints."""
-    for key, types in KV_TRANSFER_PARAM_TYPES.items():
-        value = params.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
-            raise ValueError(f"kv_transfer_params.{key} must be of type {types[0].__name__}")
-        if key == "remote_block_ids" and not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in value
-        ):
-            raise ValueError(
-                "kv_transfer_params.remote_block_ids must be a list of non-negative ints"
-            )
-    return params
 
 
 class StreamOptions(BaseModel):
@@ -49,7 +19,8 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # kv_transfer_params is a msgspec struct, which the validator builds.
+    model_config = ConfigDict(extra="ignore", arbitrary_types_allowed=True)
 
     model: str | None = None
     n: int = 1
@@ -71,12 +42,12 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     # vLLM's extension: the prompt tokens' logprobs, that many alternatives each.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
-    @field_validator("kv_transfer_params")
+    @field_validator("kv_transfer_params", mode="before")
     @classmethod
-    def _check_kv_transfer_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if value is None else check_kv_transfer_params(value)
+    def _check_kv_transfer_params(cls, value: Any) -> KVTransferParams | None:
+        return None if value is None else KVTransferParams.from_json(value)
 
     def to_sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None

@@ -6,13 +6,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.kv_connector.params import KV_LOAD_FAILED, KVTransferParams
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
 
@@ -56,12 +57,11 @@ async def merge(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _remote_read(kv_transfer_params: dict | None) -> tuple[str, str] | None:
+def _remote_read(params: KVTransferParams | None) -> tuple[str, str] | None:
     """(prefill engine, its request id) of the hand-off a decode request reads, if any."""
-    params = kv_transfer_params or {}
-    if not params.get("do_remote_prefill") or params.get("remote_request_id") is None:
+    if params is None or not params.do_remote_prefill or params.remote_request_id is None:
         return None
-    return str(params.get("remote_engine_id")), str(params["remote_request_id"])
+    return str(params.remote_engine_id), params.remote_request_id
 
 
 class OpenAIServing:
@@ -132,7 +132,7 @@ class OpenAIServing:
         self,
         prompts: list[tuple[Prompt, SamplingParams]],
         request_id: str,
-        kv_transfer_params: dict | None,
+        kv_transfer_params: KVTransferParams | None,
         stream: bool,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """A stream gets each step's new part (DELTA), a response only the final outputs."""
@@ -153,7 +153,7 @@ class OpenAIServing:
     async def _owning_ids(
         self,
         request_id: str,
-        kv_transfer_params: dict | None,
+        kv_transfer_params: KVTransferParams | None,
         stream: AsyncIterator[tuple[int, RequestOutput]],
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """`stream`, as long as its request id and the hand-off it reads are its own: a
@@ -220,7 +220,7 @@ class OpenAIServing:
                 "`prompt_logprobs` are not available when `stream=True`.",
                 param="prompt_logprobs",
             )
-        if (req.kv_transfer_params or {}).get("do_remote_prefill"):
+        if req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_prefill:
             if req.prompt_logprobs is not None:
                 raise OpenAIError(
                     400,
@@ -247,7 +247,9 @@ class OpenAIServing:
             prepared.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
         return prepared
 
-    async def completion(self, req: CompletionRequest, request_id: str) -> dict[str, Any]:
+    async def completion(
+        self, req: CompletionRequest, request_id: str
+    ) -> tuple[dict[str, Any], dict[str, str]]:
         prompts = self.prepare_completion(req)
         finals: dict[int, RequestOutput] = {}
         async for i, out in self.generate(prompts, request_id, req.kv_transfer_params, False):
@@ -268,8 +270,8 @@ class OpenAIServing:
             "model": self.model_name,
             "choices": choices,
             "usage": usage(finals.values()),
-            "kv_transfer_params": _first_kv_params(finals.values()),
-        }
+            "kv_transfer_params": _as_json(_first_kv_params(finals.values())),
+        }, _path_headers(finals.values())
 
     async def completion_stream(
         self, req: CompletionRequest, request_id: str
@@ -403,7 +405,9 @@ class OpenAIServing:
             )
         ]
 
-    async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
+    async def chat(
+        self, req: ChatCompletionRequest, request_id: str
+    ) -> tuple[dict[str, Any], dict[str, str]]:
         prompts = self.prepare_chat(req)
         final: RequestOutput | None = None
         async for _, final in self.generate(prompts, request_id, req.kv_transfer_params, False):  # noqa: B007
@@ -427,11 +431,11 @@ class OpenAIServing:
             "model": self.model_name,
             "choices": choices,
             "usage": usage([final]),
-            "kv_transfer_params": final.kv_transfer_params,
+            "kv_transfer_params": _as_json(final.kv_transfer_params),
         }
         if req.prompt_logprobs is not None:  # vLLM's place for them: the response's
             response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
-        return response
+        return response, _path_headers([final])
 
     async def chat_stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
         prompts = self.prepare_chat(req)
@@ -549,8 +553,20 @@ class _UsageCounter:
         return _usage(sum(self.prompt.values()), self.completion, sum(self.cached.values()))
 
 
-def _first_kv_params(outputs: Any) -> dict | None:
+def _first_kv_params(outputs: Any) -> KVTransferParams | None:
     return next((o.kv_transfer_params for o in outputs if o.kv_transfer_params is not None), None)
+
+
+def _path_headers(outputs: Iterable[RequestOutput]) -> dict[str, str]:
+    """A decode instance that recomputed a failed load says so, as the proxy does for its
+    own fallbacks (a stream cannot: its headers go out with the shipped first token)."""
+    if any(o.kv_load_recomputed for o in outputs):
+        return {"X-PD-Path": f"local; reason={KV_LOAD_FAILED}"}
+    return {}
+
+
+def _as_json(params: KVTransferParams | None) -> dict[str, Any] | None:
+    return None if params is None else params.to_json()
 
 
 class RequestFailedError(RuntimeError):

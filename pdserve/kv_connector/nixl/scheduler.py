@@ -6,7 +6,6 @@ import logging
 import secrets
 import time
 from collections import deque
-from typing import Any
 
 import msgspec
 
@@ -22,6 +21,7 @@ from pdserve.kv_connector.nixl.metadata import (
     RemoteAddress,
 )
 from pdserve.kv_connector.nixl.staging import StagingPool
+from pdserve.kv_connector.params import KVTransferParams, RemoteLease
 from pdserve.outputs import KVConnectorOutput
 from pdserve.request import Request, RequestStatus
 from pdserve.scheduler.block_pool import KVCacheBlock
@@ -29,38 +29,27 @@ from pdserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-_REMOTE_FIELDS = (
-    "remote_block_ids",
-    "remote_engine_id",
-    "remote_request_id",
-    "remote_host",
-    "remote_port",
-)
-
-
 # A prefill request that ends so is read; any other ending (an abort) is not.
 # Only a request that ran out of tokens (the proxy's max_tokens=1 hop) has a decode leg to come:
 # one the first token stopped (EOS, a stop token) is complete, and its blocks free at once.
 _DONE = (RequestStatus.FINISHED_LENGTH_CAPPED,)
 
 
-def _has_remote_fields(params: dict[str, Any]) -> bool:
-    return all(params.get(f) is not None for f in _REMOTE_FIELDS)
-
-
-def _reads_remote(params: dict[str, Any] | None) -> bool:
-    return bool(params and params.get("do_remote_prefill") and _has_remote_fields(params))
-
-
-def _lease_of(params: dict[str, Any]) -> tuple[int, int, float | None]:
-    """(board slot, tag, lease seconds) of a request's lease on the prefill side; (-1, 0, None)
-    when its params name none."""
-    lease = params.get("remote_lease")
-    if isinstance(lease, dict):
-        slot, tag, seconds = lease.get("slot"), lease.get("tag"), lease.get("seconds")
-        if isinstance(slot, int) and isinstance(tag, int):
-            return slot, tag, float(seconds) if isinstance(seconds, (int, float)) else None
-    return -1, 0, None
+def _recv_meta(params: KVTransferParams, local_block_ids: list[int]) -> RecvReqMeta:
+    """A read of the blocks `params` name into `local_block_ids` (none: only the prefill side's
+    free); the caller checked `reads_remote()`."""
+    lease = params.remote_lease
+    return RecvReqMeta(
+        local_block_ids,
+        list(params.remote_block_ids or ()),
+        params.remote_engine_id or "",
+        params.remote_request_id or "",
+        params.remote_host or "",
+        params.remote_port or 0,
+        params.remote_tp_size,
+        remote_epoch=params.remote_epoch or "",
+        remote_lease=(-1, 0) if lease is None else (lease.slot, lease.tag),
+    )
 
 
 class LeaseBoard:
@@ -183,17 +172,16 @@ class NixlConnectorScheduler:
         """Decode side: a request that reads remote KV heart-beats from its arrival, so that a
         prefill instance keeps its blocks however long it queues here."""
         params = request.kv_transfer_params
-        if _reads_remote(params):
-            assert params is not None
-            self._await(request.request_id, params)
+        if params is not None and params.reads_remote():
+            self._await(request.request_id, _recv_meta(params, []), params.remote_lease)
 
-    def _await(self, req_id: str, params: dict[str, Any]) -> None:
-        engine_id = params["remote_engine_id"]
-        self._awaited[req_id] = (engine_id, params["remote_request_id"])
+    def _await(self, req_id: str, read: RecvReqMeta, lease: RemoteLease | None) -> None:
+        engine_id = read.remote_engine_id
+        self._awaited[req_id] = (engine_id, read.remote_request_id)
         self._addresses[engine_id] = RemoteAddress(
-            params["remote_host"], int(params["remote_port"]), int(params.get("tp_size") or 1)
+            read.remote_host, read.remote_port, read.remote_tp_size
         )
-        every = (_lease_of(params)[2] or self.lease_duration) / 6
+        every = ((lease.seconds if lease else None) or self.lease_duration) / 6
         self._beat_every[engine_id] = min(self._beat_every.get(engine_id, every), every)
 
     def get_num_new_matched_tokens(
@@ -202,7 +190,7 @@ class NixlConnectorScheduler:
         params = request.kv_transfer_params
         # Without every remote field no read can start (update_state_after_alloc warns): the
         # request prefills here rather than wait for KV that never comes.
-        if params and params.get("do_remote_prefill") and _has_remote_fields(params):
+        if params is not None and params.reads_remote():
             count = request.num_prompt_tokens - num_computed_tokens
             if count > 0:
                 # The blocks beyond the local hit land in staging first: wait for room.
@@ -214,7 +202,7 @@ class NixlConnectorScheduler:
                 ):
                     return None, False
                 return count, True
-        elif params and params.get("do_remote_decode"):
+        elif params is not None and params.do_remote_decode:
             if request.request_id not in self.board.held and not self.board.has_room():
                 return None, False
             if self._stages_save(request):
@@ -223,17 +211,18 @@ class NixlConnectorScheduler:
                     return None, False
         return 0, False
 
-    def _stages_read(self, params: dict[str, Any]) -> bool:
+    def _stages_read(self, params: KVTransferParams) -> bool:
         """Decode side: a READ lands in staging (heterogeneous TP has its own staging area,
         in host memory too when the buffer device is cpu)."""
-        return self.staging is not None and int(params.get("tp_size") or 1) == self.tp_size
+        return self.staging is not None and params.remote_tp_size == self.tp_size
 
     def _stages_save(self, request: Request) -> bool:
         """Prefill side: a request that will stage and holds no staging blocks yet."""
         params = request.kv_transfer_params
         return (
             self.staging is not None
-            and bool(params and params.get("do_remote_decode"))
+            and params is not None
+            and params.do_remote_decode
             and not self.staging.holds_save(request.request_id)
         )
 
@@ -244,12 +233,13 @@ class NixlConnectorScheduler:
         if self._stages_save(request):
             assert self.staging is not None
             self.staging.reserve_save(request)
-        if params and params.get("do_remote_decode") and request.request_id not in self.board.held:
-            self.board.take(request.request_id)
-        if not params or not params.get("do_remote_prefill"):
+        if params is None:
             return
-        if not _has_remote_fields(params):
-            missing = [f for f in _REMOTE_FIELDS if params.get(f) is None]
+        if params.do_remote_decode and request.request_id not in self.board.held:
+            self.board.take(request.request_id)
+        if not params.do_remote_prefill:
+            return
+        if missing := params.missing_remote_fields():
             logger.warning(
                 "Request %s: kv_transfer_params lack %s; it prefills locally.",
                 request.request_id,
@@ -265,27 +255,17 @@ class NixlConnectorScheduler:
             if local and self._stages_read(params):
                 assert self.staging is not None
                 staging_ids = self.staging.reserve_read(request.request_id, len(local))
-            self._reqs_need_recv[request.request_id] = RecvReqMeta(
-                local,
-                list(params["remote_block_ids"]),
-                params["remote_engine_id"],
-                params["remote_request_id"],
-                params["remote_host"],
-                int(params["remote_port"]),
-                int(params.get("tp_size") or 1),
-                staging_ids,
-                str(params.get("remote_epoch") or ""),
-                _lease_of(params)[:2],
-            )
-            self._await(request.request_id, params)
+            read = _recv_meta(params, local)
+            read.staging_block_ids = staging_ids
+            self._reqs_need_recv[request.request_id] = read
+            self._await(request.request_id, read, params.remote_lease)
             self._reading.add(request.request_id)
             # The prefill instance's own prefix-cache hits: the client's cached tokens count
             # those of the tokens read here (scheduler/admission.py).
-            cached = params.get("remote_cached_tokens")
-            if isinstance(cached, int) and not isinstance(cached, bool) and cached > 0:
-                request.num_remote_cached_tokens = cached
+            if params.remote_cached_tokens:
+                request.num_remote_cached_tokens = params.remote_cached_tokens
         # One transfer per request, also after a preemption.
-        params["do_remote_prefill"] = False
+        params.do_remote_prefill = False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> bytes | None:
         return self._encoder.encode(self.build_meta(scheduler_output))
@@ -307,26 +287,18 @@ class NixlConnectorScheduler:
         self._reqs_need_recv, self._reqs_need_send = {}, {}
         return meta
 
-    def release_remote(self, request_id: str, params: dict[str, Any]) -> bool:
+    def release_remote(self, request_id: str, params: KVTransferParams) -> bool:
         """Tell the prefill side to free a request's blocks now, with an empty read: this
         instance will never read them (aborted before admission, or rejected by the server)."""
-        if _has_remote_fields(params):
-            self._reqs_need_recv[request_id] = RecvReqMeta(
-                [],
-                list(params["remote_block_ids"]),
-                params["remote_engine_id"],
-                params["remote_request_id"],
-                params["remote_host"],
-                int(params["remote_port"]),
-                int(params.get("tp_size") or 1),
-            )
+        if not params.missing_remote_fields():
+            self._reqs_need_recv[request_id] = _recv_meta(params, [])
             self._reading.add(request_id)
-        params["do_remote_prefill"] = False
+        params.do_remote_prefill = False
         return True
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         # A decode request's heartbeats go on while its read is in flight (`_awaited` ends with
         # the read): the read holds the prefill side's blocks until it tells it.
         req_id = request.request_id
@@ -339,13 +311,13 @@ class NixlConnectorScheduler:
             if staging_ids is None:
                 self.board.clear(req_id)
                 return False, None
-        if not params:
+        if params is None:
             return False, None
-        if params.get("do_remote_prefill"):
+        if params.do_remote_prefill:
             # Finished (aborted) before it was ever scheduled: no read will come.
             self.release_remote(req_id, params)
             return False, None
-        if not params.get("do_remote_decode"):
+        if not params.do_remote_decode:
             return False, None
         if request.status not in _DONE:
             self.board.clear(req_id)
@@ -358,26 +330,25 @@ class NixlConnectorScheduler:
         else:
             self.board.clear(req_id)
         stamp = self.board.held.get(req_id)
-        return staging_ids is None and len(block_ids) > 0, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": list(remote_ids),
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": self.side_channel_host,
-            "remote_port": self.server.port if self.server else self.side_channel_port,
-            "tp_size": self.tp_size,
-            "remote_num_tokens": request.num_computed_tokens,
-            "remote_cached_tokens": max(request.num_cached_tokens, 0),
-            "remote_epoch": self.epoch,
-            "remote_lease": None
+        return staging_ids is None and len(block_ids) > 0, KVTransferParams(
+            do_remote_prefill=True,
+            remote_block_ids=list(remote_ids),
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            remote_host=self.side_channel_host,
+            remote_port=self.server.port if self.server else self.side_channel_port,
+            tp_size=self.tp_size,
+            remote_num_tokens=request.num_computed_tokens,
+            remote_cached_tokens=max(request.num_cached_tokens, 0),
+            remote_epoch=self.epoch,
+            remote_lease=None
             if stamp is None
-            else {"slot": stamp.slot, "tag": stamp.tag, "seconds": self.lease_duration},
+            else RemoteLease(stamp.slot, stamp.tag, self.lease_duration),
             # The token this instance sampled: the decode side continues from it.
-            "first_token_id": request.all_token_ids[request.num_prompt_tokens]
+            first_token_id=request.all_token_ids[request.num_prompt_tokens]
             if request.num_tokens > request.num_prompt_tokens
             else None,
-        }
+        )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         sent = output.finished_sending or set()

@@ -134,3 +134,92 @@ def test_without_strict_pd_the_decode_instance_is_asked_to_prefill() -> None:
             assert "The decode instance" in resp.json()["error"]["message"]
 
     asyncio.run(run())
+
+
+@asynccontextmanager
+async def _answering_server(body: bytes, header: bytes = b"") -> AsyncIterator[str]:
+    """Answers every request 200 with the JSON `body` and a `header` line (an instance whose
+    answers no pdserve instance gives, or only after a fault)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            ),
+            0,
+        )
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            + header
+            + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ('{"do_remote_prefill": true, "remote_port": "x"}', "kv_transfer_params.remote_port"),
+        ('{"do_remote_prefill": true, "remote_engine_id": "p"}', "without remote_block_ids"),
+    ],
+)
+def test_kv_transfer_params_a_read_cannot_use_are_a_named_fallback(params: str, named: str) -> None:
+    async def run() -> None:
+        answer = (
+            '{"choices": [{"index": 0, "text": "a", "finish_reason": "length"}], '
+            f'"kv_transfer_params": {params}}}'
+        ).encode()
+        async with _answering_server(answer) as prefill:
+            decode = f"127.0.0.1:{_free_port()}"
+            async with _proxy_client(prefill, decode, strict_pd=True) as client:
+                resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+                assert resp.status_code == 503
+                message = resp.json()["error"]["message"]
+                assert "(bad-kv-transfer-params: " in message and named in message, message
+                metrics = (await client.get("/metrics")).text
+                line = (
+                    'pdserve:proxy_requests_total{path="local",reason="bad-kv-transfer-params"} 1.0'
+                )
+                assert line in metrics, metrics
+
+    asyncio.run(run())
+
+
+def test_a_decode_instance_that_recomputed_is_a_local_path_in_header_and_counter() -> None:
+    """A decode instance whose load failed (kv_load_failure_policy=recompute) says so in its
+    X-PD-Path; the proxy's response and counter say local, kv-load-failed, not remote."""
+
+    async def run() -> None:
+        params = (
+            '{"do_remote_prefill": true, "remote_engine_id": "p", "remote_request_id": "r", '
+            '"remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 1}'
+        )
+        hop = (
+            '{"choices": [{"index": 0, "text": "a", "finish_reason": "length"}], '
+            f'"kv_transfer_params": {params}}}'
+        ).encode()
+        answer = b'{"choices": [{"index": 0, "text": "abc", "finish_reason": "length"}]}'
+        recomputed = b"x-pd-path: local; reason=kv-load-failed\r\n"
+        async with _answering_server(hop) as prefill, _answering_server(answer, recomputed) as d:
+            async with _proxy_client(prefill, d) as client:
+                resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+                assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "abc"
+                assert resp.headers["X-PD-Path"] == "local; reason=kv-load-failed"
+                metrics = (await client.get("/metrics")).text
+                line = 'pdserve:proxy_requests_total{path="local",reason="kv-load-failed"} 1.0'
+                assert line in metrics, metrics
+                assert 'path="remote"' not in metrics, metrics
+
+    asyncio.run(run())

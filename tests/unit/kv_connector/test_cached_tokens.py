@@ -55,7 +55,7 @@ def remote_request(request_id: int, remote_cached_tokens: object) -> Request:
     )
     assert request.kv_transfer_params is not None
     if remote_cached_tokens is not None:
-        request.kv_transfer_params["remote_cached_tokens"] = remote_cached_tokens
+        request.kv_transfer_params.remote_cached_tokens = remote_cached_tokens
     return request
 
 
@@ -70,8 +70,8 @@ def remote_request(request_id: int, remote_cached_tokens: object) -> Request:
         # The decode side holds more than the prefill side, or less: the union.
         (NUM_TOKENS, 16, 32, (1, 32, 7)),
         (20, 32, 32, (1, 16, 23)),
-        # What no prefill instance sends: ignored, or bounded by what was loaded.
-        (0, "32", 0, (1, 0, 39)),
+        # What no prefill instance sends (a wrong type is the HTTP layer's 400): bounded by
+        # what was loaded.
         (0, 10**6, NUM_TOKENS - 1, (1, 0, 39)),
     ],
 )
@@ -124,7 +124,7 @@ def test_prefill_side_returns_its_hits(model: str) -> None:
         scheduler.add_request(request)
         out = scheduler.schedule()
         (output,) = scheduler.update_from_output(out, create_model_runner_output([request]))
-        params.append(output.kv_transfer_params["remote_cached_tokens"])
+        params.append(output.kv_transfer_params.remote_cached_tokens)
         cached.append(output.num_cached_tokens)
     # The second finds the first's full blocks, still held for their reader.
     assert params == cached == [0, 32]

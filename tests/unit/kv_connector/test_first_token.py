@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from pdserve.kv_connector.first_token import shipped_first_token
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -16,7 +17,8 @@ PARAMS = {"do_remote_prefill": True, "first_token_id": 7}
 
 def _shipped(kv: dict[str, Any] | None, max_model_len: int = 100, **params: Any) -> int | None:
     sp = SamplingParams(**{"max_tokens": 8, **params})
-    return shipped_first_token(kv, sp, [EOS, *(sp.stop_token_ids or [])], 10, max_model_len)
+    typed = None if kv is None else KVTransferParams.from_json(kv)
+    return shipped_first_token(typed, sp, [EOS, *(sp.stop_token_ids or [])], 10, max_model_len)
 
 
 def test_a_decode_request_continues_from_the_shipped_token() -> None:

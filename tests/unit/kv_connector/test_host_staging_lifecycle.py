@@ -69,7 +69,7 @@ def test_prefill_stages_its_prompt_and_frees_device_blocks_at_once(
     assert connector_meta(out).reqs_to_save == {req_id: SaveReqMeta(blocks, staging_ids)}
     (output,) = scheduler.update_from_output(out, create_model_runner_output([request]))
     assert output.finish_reason == FinishReason.LENGTH
-    assert output.kv_transfer_params["remote_block_ids"] == staging_ids
+    assert output.kv_transfer_params.remote_block_ids == staging_ids
     # The reader reads the staged copy: the device blocks are free already.
     assert req_id not in scheduler.requests and not scheduler.kv_cache_manager.req_to_blocks
 
@@ -189,7 +189,7 @@ def test_decode_aborted_while_reading_keeps_staging_until_the_read_ends(model: s
 def test_decode_heterogeneous_tp_reads_into_its_topology_staging(model: str) -> None:
     scheduler = _staged(model, "kv_consumer")
     request = create_request(1, NUM_TOKENS, do_remote_prefill=True)
-    request.kv_transfer_params["tp_size"] = 2
+    request.kv_transfer_params.tp_size = 2
     scheduler.add_request(request)
     out = step(scheduler, [])
     assert connector_meta(out).reqs_to_recv[request.request_id].staging_block_ids == []

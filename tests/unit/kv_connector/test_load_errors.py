@@ -14,6 +14,7 @@ import pytest
 from pdserve.engine.messages import EngineCoreOutputs
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.executor import wire
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.outputs import (
     EngineCoreOutput,
     KVConnectorOutput,
@@ -52,11 +53,12 @@ def test_model_mismatch_reason_reaches_the_request_output(
     d = instances(tiny_model("llama"), "kv_consumer")
     prompt = list(range(100, 140))
     request = make_request("r", prompt=prompt, max_tokens=1)
-    request.kv_transfer_params = {"do_remote_decode": True}
+    request.kv_transfer_params = KVTransferParams(do_remote_decode=True)
     p.scheduler.add_request(request)
     (prefilled,) = p.step()[1]
     decode = make_request("r", prompt=prompt, max_tokens=4)
-    decode.kv_transfer_params = dict(prefilled.kv_transfer_params or {})
+    assert prefilled.kv_transfer_params is not None
+    decode.kv_transfer_params = msgspec.structs.replace(prefilled.kv_transfer_params)
     d.scheduler.add_request(decode)
     outputs: list[EngineCoreOutput] = []
 

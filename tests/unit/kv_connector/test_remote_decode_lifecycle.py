@@ -8,6 +8,7 @@ import pytest
 
 from pdserve import envs
 from pdserve.kv_connector.nixl import scheduler as nixl_scheduler
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from pdserve.request import FinishReason, RequestStatus
 from pdserve.scheduler.scheduler import Scheduler
@@ -56,21 +57,23 @@ def test_basic_lifecycle(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The lease's board slot and tag, which the reader checks after its READ.
     stamp = scheduler.connector.board.held[req_id]
     lease = scheduler.connector.lease_duration
-    assert output.kv_transfer_params == {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": [b.block_id for b in blocks],
-        "remote_engine_id": scheduler.connector.engine_id,
-        "remote_request_id": req_id,
-        "remote_host": envs.side_channel_host(),
-        "remote_port": envs.side_channel_port(),
-        "tp_size": 1,
-        "remote_num_tokens": request.num_prompt_tokens,
-        "remote_cached_tokens": 0,
-        "remote_epoch": scheduler.connector.epoch,
-        "remote_lease": {"slot": stamp.slot, "tag": stamp.tag, "seconds": lease},
-        "first_token_id": request.output_token_ids[0],
-    }
+    assert output.kv_transfer_params == KVTransferParams.from_json(
+        {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [b.block_id for b in blocks],
+            "remote_engine_id": scheduler.connector.engine_id,
+            "remote_request_id": req_id,
+            "remote_host": envs.side_channel_host(),
+            "remote_port": envs.side_channel_port(),
+            "tp_size": 1,
+            "remote_num_tokens": request.num_prompt_tokens,
+            "remote_cached_tokens": 0,
+            "remote_epoch": scheduler.connector.epoch,
+            "remote_lease": {"slot": stamp.slot, "tag": stamp.tag, "seconds": lease},
+            "first_token_id": request.output_token_ids[0],
+        }
+    )
     # Finished, but its blocks wait for the reader.
     assert req_id in scheduler.finished_req_ids and not scheduler.has_unfinished_requests()
     assert req_id in scheduler.requests and len(blocks) == 3
@@ -101,7 +104,7 @@ def test_short_prompt_lifecycle(model: str) -> None:
     out = scheduler.schedule()
     (output,) = scheduler.update_from_output(out, create_model_runner_output([request]))
     assert output.kv_transfer_params is not None
-    assert len(output.kv_transfer_params["remote_block_ids"]) == 1
+    assert len(output.kv_transfer_params.remote_block_ids) == 1
     step(scheduler, [], finished_sending={request.request_id})
     assert_scheduler_empty(scheduler)
 
@@ -120,7 +123,7 @@ def test_prefix_cache_lifecycle(model: str) -> None:
     assert out.scheduled_new_reqs[0].num_computed_tokens == 2 * BLOCK_SIZE  # two hits
     (output,) = scheduler.update_from_output(out, create_model_runner_output([request]))
     assert output.kv_transfer_params is not None
-    block_ids = output.kv_transfer_params["remote_block_ids"]
+    block_ids = output.kv_transfer_params.remote_block_ids
     assert len(block_ids) == 3
     assert block_ids == scheduler.kv_cache_manager.get_block_ids(request.request_id)
     step(scheduler, [], finished_sending={request.request_id})

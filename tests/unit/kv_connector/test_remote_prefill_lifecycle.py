@@ -228,8 +228,8 @@ def test_p_side_chunked_prefill(model: str) -> None:
     (output,) = scheduler.update_from_output(out, create_model_runner_output([request]))
     assert output.finish_reason == FinishReason.LENGTH
     params = output.kv_transfer_params
-    assert params is not None and params["remote_num_tokens"] == 64
-    assert params["remote_block_ids"] == scheduler.kv_cache_manager.get_block_ids(req_id)
+    assert params is not None and params.remote_num_tokens == 64
+    assert params.remote_block_ids == scheduler.kv_cache_manager.get_block_ids(req_id)
     scheduler.update_from_output(
         scheduler.schedule(), create_model_runner_output([], finished_sending={req_id})
     )

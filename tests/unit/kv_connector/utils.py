@@ -12,6 +12,7 @@ import msgspec
 from pdserve.config import EngineConfig
 from pdserve.kv_connector.nixl.metadata import NixlConnectorMetadata
 from pdserve.kv_connector.nixl.scheduler import NixlConnectorScheduler
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.outputs import KVConnectorOutput, ModelRunnerOutput
 from pdserve.request import Request
 from pdserve.scheduler.output import SchedulerOutput
@@ -76,18 +77,17 @@ def create_request(
     params = None
     if do_remote_decode:
         max_tokens = 1
-        params = {"do_remote_prefill": False, "do_remote_decode": True}
+        params = KVTransferParams(do_remote_decode=True)
     elif do_remote_prefill:
-        params = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": REMOTE_ENGINE_ID,
-            "remote_request_id": f"prefill-{request_id}",
-            "remote_block_ids": list(range(num_remote_blocks)),
-            "remote_host": "my-host",
-            "remote_port": 1234,
-            "tp_size": 1,
-        }
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=REMOTE_ENGINE_ID,
+            remote_request_id=f"prefill-{request_id}",
+            remote_block_ids=list(range(num_remote_blocks)),
+            remote_host="my-host",
+            remote_port=1234,
+            tp_size=1,
+        )
     request = make_request(
         f"id-{request_id}", prompt=[1] * common_prefix_len + unique, max_tokens=max_tokens
     )

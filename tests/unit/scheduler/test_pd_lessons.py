@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 import torch
 
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.output import SchedulerOutput
 from tests.unit.kv_connector.halves import BLOCK_SIZE, Instance, poll
@@ -52,7 +54,7 @@ def prefill_for_decode(p: Instance, prompt: list[int], req_id: str = "r") -> dic
     """The proxy's first hop: the prefill instance computes the prompt, samples one token and
     holds the blocks for a reader; returns the kv_transfer_params it answers with."""
     request = make_request(req_id, prompt=prompt, max_tokens=1)
-    request.kv_transfer_params = {"do_remote_decode": True}
+    request.kv_transfer_params = KVTransferParams(do_remote_decode=True)
     p.scheduler.add_request(request)
     _, outputs = p.step()
     (output,) = outputs
@@ -60,9 +62,9 @@ def prefill_for_decode(p: Instance, prompt: list[int], req_id: str = "r") -> dic
     return output.kv_transfer_params
 
 
-def decode_request(params: dict, prompt: list[int], req_id: str = "r") -> Request:
+def decode_request(params: KVTransferParams, prompt: list[int], req_id: str = "r") -> Request:
     request = make_request(req_id, prompt=prompt, max_tokens=3)
-    request.kv_transfer_params = dict(params)
+    request.kv_transfer_params = msgspec.structs.replace(params)
     return request
 
 
@@ -103,7 +105,7 @@ def test_full_local_prefix_hit_still_releases_the_prefill_side(
     assert warm.is_finished()
 
     params = prefill_for_decode(p, prompt)
-    remote_blocks = params["remote_block_ids"]
+    remote_blocks = params.remote_block_ids
     request = decode_request(params, prompt)
     d.scheduler.add_request(request)
     out, _ = d.step()
@@ -225,7 +227,7 @@ def test_blocks_freed_under_a_step_in_flight_reach_a_read_only_after_it(
     d.scheduler.update_from_output(step_n1, d.execute(step_n1, forward(writes_n1)))
     d.scheduler.update_from_output(step_n2, d.execute(step_n2))
     run_until_both_empty(p, d)
-    assert torch.equal(d.cache[recv.local_block_ids], p.cache[params["remote_block_ids"]])
+    assert torch.equal(d.cache[recv.local_block_ids], p.cache[params.remote_block_ids])
 
 
 # ---- pd_lessons 7 ---------------------------------------------------------------------------
@@ -263,8 +265,8 @@ def test_prefill_request_preempted_in_its_last_step_hands_off_its_blocks(model: 
                 handed_off.append(output.kv_transfer_params)
     params = handed_off[-1]
     assert params is not None
-    assert params["remote_block_ids"] == scheduler.kv_cache_manager.get_block_ids(remote.request_id)
-    assert len(params["remote_block_ids"]) == 2
+    assert params.remote_block_ids == scheduler.kv_cache_manager.get_block_ids(remote.request_id)
+    assert len(params.remote_block_ids) == 2
     out = scheduler.schedule()
     scheduler.update_from_output(
         out, create_model_runner_output([], finished_sending={remote.request_id})
