@@ -77,6 +77,18 @@ class ModelRunnerOutput:
         self.prompt_logprobs_dict = prompt_logprobs_dict
         self._index = req_id_to_index
 
+    def with_kv_connector_output(self, kv: KVConnectorOutput) -> ModelRunnerOutput:
+        """A copy with the workers' connector report: a step with nothing scheduled returns the
+        shared empty output, which must never be mutated."""
+        return ModelRunnerOutput(
+            self.req_ids,
+            self.sampled_token_ids,
+            self.logprobs,
+            kv,
+            self.prompt_logprobs_dict,
+            req_id_to_index=self._index,
+        )
+
     @property
     def req_id_to_index(self) -> dict[str, int]:
         if self._index is None:

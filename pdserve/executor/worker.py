@@ -111,12 +111,7 @@ class Worker:
         connector.pre_forward(scheduler_output)
         output = self.model_runner.execute_model(scheduler_output)
         kv_output = connector.post_forward(scheduler_output)
-        if kv_output is None:
-            return output
-        # A step with nothing scheduled returns the shared empty output: never mutate it.
-        return ModelRunnerOutput(
-            output.req_ids, output.sampled_token_ids, output.logprobs, kv_output
-        )
+        return output if kv_output is None else output.with_kv_connector_output(kv_output)
 
     def check_health(self) -> None:
         return None
