@@ -43,8 +43,9 @@ class KVOutputAggregator:
                 stats[name] = stats.get(name, 0.0) + value
             for req_id, reason in (kv.load_errors or {}).items():
                 errors.setdefault(req_id, reason)
-        result = outputs[output_rank]
-        result.kv_connector_output = KVConnectorOutput(
-            sending or None, recving or None, invalid, stats or None, errors or None
+        # A copy: a worker in this process may have returned the shared empty output.
+        return outputs[output_rank].with_kv_connector_output(
+            KVConnectorOutput(
+                sending or None, recving or None, invalid, stats or None, errors or None
+            )
         )
-        return result

@@ -102,7 +102,7 @@ def test_the_output_ranks_tokens_with_the_merged_news() -> None:
     first.kv_connector_output = None
     last = rank_output(recving={"d"}, req_ids=["r1", "r2"])
     out = agg.aggregate([first, last], output_rank=1)
-    assert out is last and out.req_ids == ["r1", "r2"] and out.sampled_token_ids == [[7], [7]]
+    assert out.req_ids == ["r1", "r2"] and out.sampled_token_ids == [[7], [7]]
     assert news(out) == (None, None)
     kv = out.kv_connector_output
     assert kv is not None and kv.is_empty()
@@ -116,3 +116,13 @@ def test_one_rank_passes_through() -> None:
     assert news(out) == ({"p"}, {"d"})
     kv = out.kv_connector_output
     assert kv is not None and kv.invalid_block_ids == {5} and kv.stats == {"transfers": 1.0}
+
+
+def test_the_shared_empty_output_is_never_mutated() -> None:
+    """A worker in this process returns EMPTY_MODEL_RUNNER_OUTPUT for a step with nothing
+    scheduled and nothing to report; the merged news goes on a copy."""
+    from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    merged = KVOutputAggregator(world_size=1).aggregate([EMPTY_MODEL_RUNNER_OUTPUT], 0)
+    assert merged is not EMPTY_MODEL_RUNNER_OUTPUT and merged.kv_connector_output is not None
+    assert EMPTY_MODEL_RUNNER_OUTPUT.kv_connector_output is None
