@@ -16,6 +16,7 @@ from pdserve.utils import get_open_port
 from tests.utils.procs import pid_alive, wait_until_gone
 
 _REPO = Path(__file__).resolve().parents[2]
+_BIND_ATTEMPTS = 3
 
 
 def descendants(pid: int) -> list[int]:
@@ -84,35 +85,40 @@ class RemoteServer(MetricsReader):
         """`prefix` runs the command under another (e.g. `ip netns exec NS`); `host` is where
         the server listens and is reached; `command` is the program given `args` (default:
         this interpreter's `-m pdserve.entrypoints.cli`), e.g. another venv's `pdserve`."""
-        self.port = get_open_port()
-        super().__init__(
-            f"http://{host}:{self.port}",
-            {"Authorization": f"Bearer {api_key}"} if api_key else None,
-        )
         args = [*args, "--api-key", api_key] if api_key else args
         if host != "127.0.0.1":
             args = [*args, "--host", host]
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-test-{self.port}.log"
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [
-                *(prefix or []),
-                *(command or [sys.executable, "-m", "pdserve.entrypoints.cli"]),
-                *args,
-                "--port",
-                str(self.port),
-            ],
-            cwd=_REPO,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-        self.all_pids: list[int] = [self.proc.pid]
-        try:
-            self._wait_healthy(startup_timeout)
-        except BaseException:
-            self.stop()
-            raise
+        command = [*(prefix or []), *(command or [sys.executable, "-m", "pdserve.entrypoints.cli"])]
+        # The port is free when chosen, but the server binds it only after loading its model:
+        # seconds in which another process (an outgoing connection, a transport's listener) can
+        # take it. A server that lost its port that way is started again on another.
+        for attempt in range(_BIND_ATTEMPTS):
+            self.port = get_open_port()
+            super().__init__(
+                f"http://{host}:{self.port}",
+                {"Authorization": f"Bearer {api_key}"} if api_key else None,
+            )
+            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-test-{self.port}.log"
+            self.log = open(self.log_path, "wb")
+            self.proc = subprocess.Popen(
+                [*command, *args, "--port", str(self.port)],
+                cwd=_REPO,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+            )
+            self.all_pids: list[int] = [self.proc.pid]
+            try:
+                self._wait_healthy(startup_timeout)
+                return
+            except RuntimeError:
+                lost_port = "address already in use" in self.read_log()
+                self.stop()
+                if not lost_port or attempt == _BIND_ATTEMPTS - 1:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
