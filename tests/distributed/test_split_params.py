@@ -58,21 +58,26 @@ def _post(server: RemoteServer, body: dict[str, Any]) -> tuple[httpx.Headers, li
         assert resp.status_code == 200, resp.text
         return resp.headers, sorted(resp.json()["choices"], key=lambda c: c["index"])
     choices: dict[int, dict] = {}
+    headers, chunks = _stream_choices(server, body)
+    for c in chunks:
+        joined = choices.setdefault(c["index"], {"text": "", "token_ids": [], "lp": []})
+        joined["text"] += c["text"]
+        joined["token_ids"] += c["token_ids"]
+        if c["logprobs"] is not None:
+            lp = c["logprobs"]
+            joined["lp"] += list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+    return headers, [choices[i] for i in sorted(choices)]
+
+
+def _stream_choices(server: RemoteServer, body: dict[str, Any]) -> tuple[httpx.Headers, list]:
+    """A streamed completion's headers and the choice chunks of its events, in order."""
+    chunks = []
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for c in json.loads(line.removeprefix("data: "))["choices"]:
-                joined = choices.setdefault(c["index"], {"text": "", "token_ids": [], "lp": []})
-                joined["text"] += c["text"]
-                joined["token_ids"] += c["token_ids"]
-                if c["logprobs"] is not None:
-                    lp = c["logprobs"]
-                    joined["lp"] += list(
-                        zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])
-                    )
-        return resp.headers, [choices[i] for i in sorted(choices)]
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks += json.loads(line.removeprefix("data: "))["choices"]
+    return resp.headers, chunks
 
 
 def _sources(server: RemoteServer) -> dict[str, float]:
@@ -266,21 +271,17 @@ def _post_logprobs(server: RemoteServer, body: dict[str, Any]) -> tuple[httpx.He
     if not body.get("stream"):
         return _post(server, body)
     choices: dict[int, dict] = {}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for c in json.loads(line.removeprefix("data: "))["choices"]:
-                keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-                joined = choices.setdefault(
-                    c["index"], {"text": "", "token_ids": [], "logprobs": {k: [] for k in keys}}
-                )
-                joined["text"] += c["text"]
-                joined["token_ids"] += c["token_ids"]
-                for k in keys:
-                    joined["logprobs"][k] += c["logprobs"][k]
-        return resp.headers, [choices[i] for i in sorted(choices)]
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    headers, chunks = _stream_choices(server, body)
+    for c in chunks:
+        joined = choices.setdefault(
+            c["index"], {"text": "", "token_ids": [], "logprobs": {k: [] for k in keys}}
+        )
+        joined["text"] += c["text"]
+        joined["token_ids"] += c["token_ids"]
+        for k in keys:
+            joined["logprobs"][k] += c["logprobs"][k]
+    return headers, [choices[i] for i in sorted(choices)]
 
 
 def test_n_with_a_first_token_that_stops_is_served_locally_and_told(
