@@ -239,11 +239,6 @@ def build_proxy_app(
             instance, params, prompt_logprobs=PromptLogprobs.from_hop(body, answer, endpoint)
         )
 
-    def count_remote(streaming: bool, leg: PrefillLeg) -> None:
-        """The count `split` leaves for a whole remote answer, once its decode leg ended."""
-        if leg.path == "remote" and not streaming:
-            requests_by_path.labels("remote", "none").inc()
-
     async def split(
         request: Request, request_id: str, body: dict[str, Any], endpoint: str, arrival: float
     ) -> Response:
@@ -264,109 +259,110 @@ def build_proxy_app(
         leg = await prefill_leg(body, endpoint, headers)
         prefill_s = time.perf_counter() - prefill_start
         streaming = bool(body.get("stream"))
-        # A whole remote answer is counted once the decode instance said how it served it.
-        if leg.path != "remote" or streaming:
-            requests_by_path.labels(leg.path, leg.reason or "none").inc()
-        if leg.reason is not None:
-            logger.info("Request %s served locally (%s): %s", request_id, leg.reason, leg.detail)
-            if strict_pd:
-                raise OpenAIError(
-                    503,
-                    f"The prefill leg could not be used ({leg.reason}: {leg.detail}), and "
-                    "--strict-pd refuses to let the decode instance prefill.",
+        # Counted once, when split ends: a whole answer's decode instance may say it recomputed.
+        served = (leg.path, leg.reason or "none")
+        try:
+            if leg.reason is not None:
+                logger.info(
+                    "Request %s served locally (%s): %s", request_id, leg.reason, leg.detail
                 )
-        elif leg.params is not None:
-            # Not prompt_logprobs: the decode instance does not compute the prompt.
-            body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
-            body["kv_transfer_params"] = leg.params.to_json()
-        # Tell the client how it was served and, for the demo, how much KV was handed over.
-        out_headers = {
-            "X-Request-Id": request_id,
-            "X-PD-Path": leg.header,
-            "X-PD-KV-Blocks": str(
-                len(leg.params.remote_block_ids or []) if leg.params is not None else 0
-            ),
-        }
-        if leg.instance is not None:
-            out_headers["X-PD-Prefill-Instance"] = leg.instance.url
-
-        if leg.answer is not None:
-            prefill_only = {
-                "prefill_leg": prefill_s,
-                "proxy": time.perf_counter() - arrival - prefill_s,
+                if strict_pd:
+                    raise OpenAIError(
+                        503,
+                        f"The prefill leg could not be used ({leg.reason}: {leg.detail}), and "
+                        "--strict-pd refuses to let the decode instance prefill.",
+                    )
+            elif leg.params is not None:
+                # Not prompt_logprobs: the decode instance does not compute the prompt.
+                body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
+                body["kv_transfer_params"] = leg.params.to_json()
+            # Tell the client how it was served and, for the demo, how much KV was handed over.
+            out_headers = {
+                "X-Request-Id": request_id,
+                "X-PD-Path": leg.header,
+                "X-PD-KV-Blocks": str(
+                    len(leg.params.remote_block_ids or []) if leg.params is not None else 0
+                ),
             }
-            out_headers["Server-Timing"] = _server_timing(prefill_only)
-            if not body.get("stream"):
-                return JSONResponse(leg.answer, headers=out_headers)
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            events = _as_stream(leg.answer, endpoint, include_usage)
-            return Response("".join(events), media_type="text/event-stream", headers=out_headers)
+            if leg.instance is not None:
+                out_headers["X-PD-Prefill-Instance"] = leg.instance.url
 
-        decode_instance = pools["decode"].pick()
-        out_headers["X-PD-Decode-Instance"] = decode_instance.url
-        upstream = decode_instance.client.build_request(
-            "POST", f"/v1/{endpoint}", json=body, headers=headers
-        )
-        decode_start = time.perf_counter()
-        try:
-            answer = await decode_instance.client.send(upstream, stream=True)
-        except httpx.HTTPError as e:
-            count_remote(streaming, leg)
-            raise upstream_error(decode_instance, e) from None
-        if answer.status_code != 200:
-            await answer.aread()
-            await answer.aclose()
-            count_remote(streaming, leg)
-            raise forwarded_error(decode_instance, answer)
-        chunks = answer.aiter_raw()
-        if streaming and leg.prompt_logprobs is not None:
-            chunks = leg.prompt_logprobs.fill_stream(chunks)
-        try:
-            # A stream's first chunk (the first token) before the headers, so that they can say
-            # how long it took: the client's first token follows them at once.
-            first = await anext(chunks, b"") if streaming else await answer.aread()
-        except BaseException as e:  # the client gone too: closing aborts the decode request
-            count_remote(streaming, leg)
-            await answer.aclose()
-            if isinstance(e, httpx.HTTPError):
-                raise upstream_error(decode_instance, e) from None
-            raise
-        first_byte = time.perf_counter()
-        decode_s = first_byte - decode_start
-        parts = {
-            "prefill_leg": prefill_s,
-            "decode_first_byte": decode_s,
-            "proxy": first_byte - arrival - prefill_s - decode_s,
-        }
-        out_headers["Server-Timing"] = _server_timing(parts)
-        if not streaming:
-            await answer.aclose()
-            decode_path = answer.headers.get("X-PD-Path", "")
-            if leg.path == "remote" and decode_path.startswith("local; reason="):
-                # The decode instance recomputed the prompt (its KV load failed).
-                out_headers["X-PD-Path"] = decode_path
-                requests_by_path.labels("local", decode_path.removeprefix("local; reason=")).inc()
-            else:
-                count_remote(streaming, leg)
-            if leg.prompt_logprobs is not None:
-                whole = json.loads(first)
-                leg.prompt_logprobs.fill_answer(whole)
-                first = json.dumps(whole).encode()
-            return Response(first, media_type="application/json", headers=out_headers)
+            if leg.answer is not None:
+                prefill_only = {
+                    "prefill_leg": prefill_s,
+                    "proxy": time.perf_counter() - arrival - prefill_s,
+                }
+                out_headers["Server-Timing"] = _server_timing(prefill_only)
+                if not body.get("stream"):
+                    return JSONResponse(leg.answer, headers=out_headers)
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                events = _as_stream(leg.answer, endpoint, include_usage)
+                return Response(
+                    "".join(events), media_type="text/event-stream", headers=out_headers
+                )
 
-        async def relay() -> AsyncIterator[bytes]:
-            # Cancelled when the client goes away: closing the upstream aborts the decode request.
+            decode_instance = pools["decode"].pick()
+            out_headers["X-PD-Decode-Instance"] = decode_instance.url
+            upstream = decode_instance.client.build_request(
+                "POST", f"/v1/{endpoint}", json=body, headers=headers
+            )
+            decode_start = time.perf_counter()
             try:
-                yield first
-                async for chunk in chunks:
-                    yield chunk
+                answer = await decode_instance.client.send(upstream, stream=True)
             except httpx.HTTPError as e:
-                yield f"data: {json.dumps(upstream_error(decode_instance, e).body())}\n\n".encode()
-            finally:
-                in_flight.discard(request_id)
+                raise upstream_error(decode_instance, e) from None
+            if answer.status_code != 200:
+                await answer.aread()
                 await answer.aclose()
+                raise forwarded_error(decode_instance, answer)
+            chunks = answer.aiter_raw()
+            if streaming and leg.prompt_logprobs is not None:
+                chunks = leg.prompt_logprobs.fill_stream(chunks)
+            try:
+                # A stream's first chunk (the first token) before the headers, so that they can say
+                # how long it took: the client's first token follows them at once.
+                first = await anext(chunks, b"") if streaming else await answer.aread()
+            except BaseException as e:  # the client gone too: closing aborts the decode request
+                await answer.aclose()
+                if isinstance(e, httpx.HTTPError):
+                    raise upstream_error(decode_instance, e) from None
+                raise
+            first_byte = time.perf_counter()
+            decode_s = first_byte - decode_start
+            parts = {
+                "prefill_leg": prefill_s,
+                "decode_first_byte": decode_s,
+                "proxy": first_byte - arrival - prefill_s - decode_s,
+            }
+            out_headers["Server-Timing"] = _server_timing(parts)
+            if not streaming:
+                await answer.aclose()
+                decode_path = answer.headers.get("X-PD-Path", "")
+                if leg.path == "remote" and decode_path.startswith("local; reason="):
+                    # The decode instance recomputed the prompt (its KV load failed).
+                    out_headers["X-PD-Path"] = decode_path
+                    served = ("local", decode_path.removeprefix("local; reason="))
+                if leg.prompt_logprobs is not None:
+                    whole = json.loads(first)
+                    leg.prompt_logprobs.fill_answer(whole)
+                    first = json.dumps(whole).encode()
+                return Response(first, media_type="application/json", headers=out_headers)
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=out_headers)
+            async def relay() -> AsyncIterator[bytes]:
+                # Cancelled when the client goes away: closing the upstream aborts the decode request.
+                try:
+                    yield first
+                    async for chunk in chunks:
+                        yield chunk
+                except httpx.HTTPError as e:
+                    yield f"data: {json.dumps(upstream_error(decode_instance, e).body())}\n\n".encode()
+                finally:
+                    in_flight.discard(request_id)
+                    await answer.aclose()
+
+            return StreamingResponse(relay(), media_type="text/event-stream", headers=out_headers)
+        finally:
+            requests_by_path.labels(*served).inc()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
