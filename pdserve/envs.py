@@ -10,12 +10,17 @@ from pathlib import Path
 
 
 def apply_openmp_defaults() -> None:
-    """OMP_WAIT_POLICY=PASSIVE unless set: OpenMP threads that wait at a barrier sleep instead of
-    spinning. Spinning takes the core a preempted sibling needs to reach that barrier: with one
-    other busy process on a 2-core machine, SmolLM2 decoding ran 77-135 tok/s spinning and
-    280-612 passive (benchmarks/vs_vllm.py's workload). Read once, when torch loads libgomp, so
-    `import pdserve` applies it only if torch is not imported yet; worker processes inherit it."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """GOMP_SPINCOUNT=20000 unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is given: an OpenMP thread
+    that reaches a barrier spins that long (well under a millisecond), then sleeps. A decode step
+    opens a parallel region per matmul (about 120 for SmolLM2), and a thread woken from sleep
+    takes 50-300 us on these VMs: on a quiet 2-core machine SmolLM2 (benchmarks/vs_vllm.py's
+    workload) generated in 7.1-7.2 s with this spin, 9.3 s passive, 6.8 s spinning without bound.
+    Beside another busy process the bound keeps the cost of spinning on a core a preempted sibling
+    needs at 1.6x passive (4.5 s against 2.9 s for 32 tokens; unbounded: 2.0x). Where engines
+    share cores, set OMP_WAIT_POLICY=PASSIVE (the test suite does). Read once, when torch loads
+    libgomp, so `import pdserve` applies it only if torch is not imported yet; workers inherit it."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = "20000"
 
 
 def _tri_state(name: str) -> bool | None:

@@ -13,6 +13,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The servers and workers the tests start share this machine's cores with each other and with
+# this process: their OpenMP threads sleep at a barrier rather than spin (a spin takes the core
+# a preempted sibling needs; see envs.apply_openmp_defaults). This process's own runtime
+# started with torch above.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -11,16 +11,25 @@ import pytest
 _PROBE = (
     "import os, pdserve, torch; "
     "torch.set_num_threads(2); torch.ones(1 << 16).sum(); "  # libgomp starts with the env
-    "print(os.environ['OMP_WAIT_POLICY'])"
+    "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
 )
 
 
-@pytest.mark.parametrize(("given", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_import_sets_a_passive_openmp_wait_unless_given(given: str | None, expected: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if given is not None:
-        env["OMP_WAIT_POLICY"] = given
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({}, "None 20000"),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, "PASSIVE None"),
+        ({"GOMP_SPINCOUNT": "0"}, "None 0"),
+    ],
+)
+def test_import_bounds_the_openmp_spin_unless_given(given: dict[str, str], expected: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", _PROBE],
+        env={**env, **given},
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == expected
