@@ -51,6 +51,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# The environment this script was started with: vLLM runs in it, not in what `import pdserve`
+# (through the benchmark helpers below) adds for pdserve's own processes (its OpenMP defaults).
+USER_ENV = dict(os.environ)
+
 from serving import stop_server  # noqa: E402
 from throughput import make_prompts  # noqa: E402
 
@@ -129,7 +133,7 @@ def resolve_model(name: str, dtype: str, cache_dir: Path) -> Path:
 
 
 def engine_env(engine: str, threads: int, kv_cache_gib: int) -> dict[str, str]:
-    env = dict(os.environ)
+    env = dict(USER_ENV if engine == "vllm" else os.environ)
     if engine == "vllm":
         cores = sorted(os.sched_getaffinity(0))[:threads]
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
