@@ -45,6 +45,15 @@ def test_rms_norm_split_over_threads() -> None:
     assert (out != expected).float().mean() < 1e-4
 
 
+def test_rms_norm_of_a_row_with_a_tail() -> None:
+    # 40 = two 16-lane vectors and a masked 8.
+    x, residual, weight = _randn(3, 40), _randn(3, 40, seed=1), _randn(40, seed=2)
+    fused = elementwise_cpu.rms_norm(x, residual, weight, 1e-5)
+    expected = fused_add_rms_norm_torch(x, residual, weight, 1e-5)
+    assert fused is not None
+    assert torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1])
+
+
 def test_rms_norm_of_strided_heads() -> None:
     # Qwen3's per-head q/k norm: heads sliced out of the fused projection.
     qkv = _randn(5, 6 * 32)
@@ -69,12 +78,13 @@ def test_rotary_matches_reference(head_dim: int, num_tokens: int) -> None:
     assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
 
 
-@pytest.mark.parametrize("num_rows", [1, 64, 1024])
-def test_silu_and_mul_matches_reference(num_rows: int) -> None:
-    x = _randn(num_rows, 2 * 1536) * 4
+# 1536: whole 16-lane vectors; 100: a masked tail on every row.
+@pytest.mark.parametrize(("num_rows", "width"), [(1, 1536), (64, 1536), (1024, 1536), (7, 100)])
+def test_silu_and_mul_matches_reference(num_rows: int, width: int) -> None:
+    x = _randn(num_rows, 2 * width) * 4
     out = elementwise_cpu.silu_and_mul(x)
     assert out is not None
-    expected = F.silu(x[:, :1536]) * x[:, 1536:]
+    expected = F.silu(x[:, :width]) * x[:, width:]
     # One step of bf16 (2**-8 relative) in silu, one more in the product.
     torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=2**-6)
     assert (out != expected).float().mean() < 0.01
