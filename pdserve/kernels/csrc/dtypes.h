@@ -34,10 +34,21 @@ struct BF16 {
     return T(((bits & 0x7fffffff) > 0x7f800000 ? 0x7fc00000u : rounded) >> 16);
   }
 #ifdef __AVX512F__
-  static __m512 load16(const T* p) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  static __m512 widen16(__m256i half) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
   }
+  static __m512 load16(const T* p) {
+    return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  // The lanes of `m` only (the others read as zero): a row's tail.
+  static __m512 load16(const T* p, __mmask16 m) { return widen16(_mm256_maskz_loadu_epi16(m, p)); }
+#ifdef __AVX512BF16__
+  // cvtneps rounds to nearest even, as torch rounds.
+  static void store16(T* p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+  static __m512 round16(__m512 v) { return widen16((__m256i)_mm512_cvtneps_pbh(v)); }  // rounded<>
+#endif
 #endif
 };
 

@@ -23,18 +23,7 @@ using pdserve::F32;
 using pdserve::rounded;
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// The bfloat16 rows 16 elements at a time. cvtneps rounds to nearest even as torch does.
-inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
-  const __m256i half = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-inline void store_bf16(uint16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, to_bf16(v));
-}
-inline __m512 round_bf16(__m512 v) {  // rounded<BF16>, 16 lanes
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
-}
+// The lanes of the 16 from element i that lie in a row of n.
 inline __mmask16 lanes(int64_t i, int64_t n) {
   return n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
 }
@@ -70,14 +59,15 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* 
       uint16_t* ro = residual_out + r * hidden;
       for (int64_t i = 0; i < hidden; i += 16) {
         const __mmask16 m = lanes(i, hidden);
-        const __m512 v = round_bf16(_mm512_add_ps(load_bf16(rr + i, m), load_bf16(xr + i, m)));
-        store_bf16(ro + i, v, m);
+        const __m512 sum = _mm512_add_ps(BF16::load16(rr + i, m), BF16::load16(xr + i, m));
+        const __m512 v = BF16::round16(sum);
+        BF16::store16(ro + i, v, m);
         sums = _mm512_fmadd_ps(v, v, sums);  // masked-off lanes are zero
       }
       xr = ro;
     } else {
       for (int64_t i = 0; i < hidden; i += 16) {
-        const __m512 v = load_bf16(xr + i, lanes(i, hidden));
+        const __m512 v = BF16::load16(xr + i, lanes(i, hidden));
         sums = _mm512_fmadd_ps(v, v, sums);
       }
     }
@@ -85,8 +75,8 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* 
         _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sums) / float(hidden) + eps));
     for (int64_t i = 0; i < hidden; i += 16) {
       const __mmask16 m = lanes(i, hidden);
-      const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16(xr + i, m), inv));
-      store_bf16(o + i, _mm512_mul_ps(load_bf16(weight + i, m), normed), m);
+      const __m512 normed = BF16::round16(_mm512_mul_ps(BF16::load16(xr + i, m), inv));
+      BF16::store16(o + i, _mm512_mul_ps(BF16::load16(weight + i, m), normed), m);
     }
   }
 }
@@ -100,14 +90,15 @@ void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t d
     uint16_t* o = out + r * d;
     for (int64_t i = 0; i < d; i += 16) {
       const __mmask16 m = lanes(i, d);
-      const __m512 g = load_bf16(gate + i, m);
-      const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+      const __m512 g = BF16::load16(gate + i, m);
+      const __m512 minus_g = _mm512_sub_ps(_mm512_setzero_ps(), g);
+      const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(minus_g));
       // 1 / den: the 14-bit estimate and one Newton step (within an ulp; a division takes
       // longer than everything else here together).
       __m512 rcp = _mm512_rcp14_ps(den);
       rcp = _mm512_mul_ps(rcp, _mm512_fnmadd_ps(den, rcp, _mm512_set1_ps(2.f)));
-      const __m512 silu = round_bf16(_mm512_mul_ps(g, rcp));
-      store_bf16(o + i, _mm512_mul_ps(silu, load_bf16(up + i, m)), m);
+      const __m512 silu = BF16::round16(_mm512_mul_ps(g, rcp));
+      BF16::store16(o + i, _mm512_mul_ps(silu, BF16::load16(up + i, m)), m);
     }
   }
 }
