@@ -15,7 +15,7 @@ from pdserve.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from pdserve.kernels.linear import linear
+from pdserve.kernels.linear import PackedWeight, linear
 from pdserve.models.utils import default_weight_loader, shard_tensor
 
 
@@ -46,7 +46,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         # Set after loading where the weight can be packed (kernels/linear.py).
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)

@@ -12,7 +12,7 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pdserve.kernels.linear import linear
+from pdserve.kernels.linear import PackedWeight, linear
 from pdserve.models.utils import default_weight_loader
 
 
@@ -36,7 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader
         # Set after loading where the weight can be packed for the LM head (kernels/linear.py).
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.dim() != 2 or loaded.shape[0] != self.num_embeddings:
