@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # Above this many rows oneDNN's kernels beat the AMX kernel (its activations no longer stay in L2).
 AMX_MAX_ROWS = 128
 # The panel geometry of linear_cpu.cpp: 32 features by blocks of 32 k.
-_AMX_BLOCK_N, _AMX_BLOCK_K = 32, 32
+AMX_BLOCK_N, AMX_BLOCK_K = 32, 32
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -73,9 +73,7 @@ def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> PackedWeight:
     if not amx_available():
         data = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
         return PackedWeight(data, n, k, amx=False)
-    data = torch.empty(
-        _round_up(n, _AMX_BLOCK_N) * _round_up(k, _AMX_BLOCK_K), dtype=torch.bfloat16
-    )
+    data = torch.empty(_round_up(n, AMX_BLOCK_N) * _round_up(k, AMX_BLOCK_K), dtype=torch.bfloat16)
     pack = native.function("linear_cpu", "pdserve_amx_pack", _P, _I64, _I64, _P)
     pack(weight.contiguous().data_ptr(), n, k, data.data_ptr())
     return PackedWeight(data, n, k, amx=True)
@@ -86,8 +84,8 @@ def _amx_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if k % _AMX_BLOCK_K:
-        x2 = F.pad(x2, (0, _AMX_BLOCK_K - k % _AMX_BLOCK_K))
+    if k % AMX_BLOCK_K:
+        x2 = F.pad(x2, (0, AMX_BLOCK_K - k % AMX_BLOCK_K))
     out = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
     fn = native.function(
         "linear_cpu", "pdserve_amx_linear", _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT

@@ -16,8 +16,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pdserve.distributed.parallel_state import IntermediateTensors, is_first_stage, is_last_stage
+from pdserve.distributed.parallel_state import (
+    IntermediateTensors,
+    is_first_stage,
+    is_last_stage,
+    tensor_model_parallel_all_reduce,
+)
 from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.mlp_cpu import norm_mlp
 from pdserve.models.layers.activation import SiluAndMul, check_gated_act
 from pdserve.models.layers.attention import Attention
 from pdserve.models.layers.layernorm import RMSNorm
@@ -56,6 +62,31 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def forward_after_norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x, residual)[0]), residual + x): one native call where it applies."""
+        down = self.down_proj
+        reduce = down.tp_size > 1  # each rank holds a partial sum; the bias counts once
+        fused = norm_mlp(
+            x,
+            residual,
+            norm.weight,
+            norm.variance_epsilon,
+            self.gate_up_proj.packed_weight,
+            self.gate_up_proj.bias,
+            down.packed_weight,
+            None if reduce else down.bias,
+        )
+        if fused is None:
+            x, residual = norm(x, residual)
+            return self(x), residual
+        out, residual = fused
+        if reduce:
+            out = tensor_model_parallel_all_reduce(out)
+            out = out if down.bias is None else out + down.bias
+        return out, residual
 
 
 def _head_dim(hf_config: PretrainedConfig) -> int:
@@ -144,6 +175,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp.forward_after_norm(
+                self.post_attention_layernorm, hidden_states, residual
+            )
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

@@ -9,99 +9,17 @@
 #include <cstring>
 
 #include "dtypes.h"
+#include "elementwise.h"
 
 namespace {
 
-// Below this many elements (~300 us of work on one thread) one thread finishes before a second
-// would have started: a sleeping OpenMP thread (OMP_WAIT_POLICY=PASSIVE) takes 100-300 us to
-// wake on these VMs, and a running one may be preempted. Every decode step's norms, rotations
-// and activations stay on the calling thread; prefill's large batches are split.
-constexpr int64_t kParallelMinElements = 1 << 20;
-
 using pdserve::BF16;
 using pdserve::F32;
+using pdserve::kParallelMinElements;
 using pdserve::rounded;
-
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// The lanes of the 16 from element i that lie in a row of n.
-inline __mmask16 lanes(int64_t i, int64_t n) {
-  return n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-}
-
-// exp(x), Cephes' single-precision polynomial on x - n ln2 (within 1-2 ulp of expf): libmvec's
-// vector expf is about twice as slow, and silu's result is rounded to bfloat16 anyway.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(e, n);
-}
-
-void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* weight,
-                   uint16_t* out, uint16_t* residual_out, int64_t rows, int64_t hidden,
-                   int64_t stride_x, int64_t stride_residual, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= kParallelMinElements)
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* xr = x + r * stride_x;
-    uint16_t* o = out + r * hidden;
-    __m512 sums = _mm512_setzero_ps();
-    if (residual != nullptr) {
-      const uint16_t* rr = residual + r * stride_residual;
-      uint16_t* ro = residual_out + r * hidden;
-      for (int64_t i = 0; i < hidden; i += 16) {
-        const __mmask16 m = lanes(i, hidden);
-        const __m512 sum = _mm512_add_ps(BF16::load16(rr + i, m), BF16::load16(xr + i, m));
-        const __m512 v = BF16::round16(sum);
-        BF16::store16(ro + i, v, m);
-        sums = _mm512_fmadd_ps(v, v, sums);  // masked-off lanes are zero
-      }
-      xr = ro;
-    } else {
-      for (int64_t i = 0; i < hidden; i += 16) {
-        const __m512 v = BF16::load16(xr + i, lanes(i, hidden));
-        sums = _mm512_fmadd_ps(v, v, sums);
-      }
-    }
-    const __m512 inv =
-        _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sums) / float(hidden) + eps));
-    for (int64_t i = 0; i < hidden; i += 16) {
-      const __mmask16 m = lanes(i, hidden);
-      const __m512 normed = BF16::round16(_mm512_mul_ps(BF16::load16(xr + i, m), inv));
-      BF16::store16(o + i, _mm512_mul_ps(BF16::load16(weight + i, m), normed), m);
-    }
-  }
-}
-
-void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t d,
-                       int64_t stride_x, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * d >= kParallelMinElements)
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* gate = x + r * stride_x;
-    const uint16_t* up = gate + d;
-    uint16_t* o = out + r * d;
-    for (int64_t i = 0; i < d; i += 16) {
-      const __mmask16 m = lanes(i, d);
-      const __m512 g = BF16::load16(gate + i, m);
-      const __m512 minus_g = _mm512_sub_ps(_mm512_setzero_ps(), g);
-      const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(minus_g));
-      // 1 / den: the 14-bit estimate and one Newton step (within an ulp; a division takes
-      // longer than everything else here together).
-      __m512 rcp = _mm512_rcp14_ps(den);
-      rcp = _mm512_mul_ps(rcp, _mm512_fnmadd_ps(den, rcp, _mm512_set1_ps(2.f)));
-      const __m512 silu = BF16::round16(_mm512_mul_ps(g, rcp));
-      BF16::store16(o + i, _mm512_mul_ps(silu, BF16::load16(up + i, m)), m);
-    }
-  }
-}
+using pdserve::rms_norm_bf16;
+using pdserve::silu_and_mul_bf16;
 #endif
 
 template <typename K>

@@ -10,6 +10,7 @@
 // and it reports the kernel unavailable.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -17,11 +18,13 @@
 #include <unistd.h>
 
 #include "dtypes.h"
+#include "elementwise.h"
 
 namespace {
 
 using pdserve::BF16;
 using T = BF16::T;
+using pdserve::lanes;
 
 constexpr int kTileRows = 16;  // rows of an A or C tile
 constexpr int kBlockK = 32;    // bf16 values in a 64-byte tile row
@@ -92,7 +95,7 @@ void panel_pass(const T* x, int64_t m0, int rows, int64_t num_kb, int64_t stride
   for (int half = 0; half < 2; ++half) {
     const int64_t f = f0 + half * 16;
     if (f >= n) break;
-    const __mmask16 mask = n - f >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - f)) - 1);
+    const __mmask16 mask = lanes(f, n);
     const __m512 b = bias ? BF16::load16(bias + f, mask) : _mm512_setzero_ps();
     for (int r = 0; r < rows; ++r) {
       const __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * kBlockN + half * 16), b);
@@ -157,6 +160,30 @@ void pdserve_amx_linear(const T* x, int64_t m, int64_t k, int64_t stride_x, cons
     }
     _tile_release();
   }
+}
+
+
+// A decoder layer's second half in one call: the post-attention residual add and RMSNorm, then
+// gate_up, SiLU-and-mul and down (each step the same code as its own kernel, so the same bits).
+// `residual_out` and `out` are [m, hidden]; biases may be null.
+void pdserve_amx_norm_mlp(const T* x, const T* residual, int64_t stride_x, int64_t stride_residual,
+                          const T* norm_weight, float eps, int64_t m, int64_t hidden,
+                          const T* gate_up, const T* gate_up_bias, int64_t intermediate,
+                          const T* down, const T* down_bias, T* residual_out, T* out,
+                          int num_threads) {
+  // The step's intermediates, reused across calls of this thread (the engine's single caller).
+  thread_local std::vector<T> normed, projected, activated;
+  normed.resize(m * hidden);
+  projected.resize(m * 2 * intermediate);
+  activated.resize(m * intermediate);
+  pdserve::rms_norm_bf16(x, residual, norm_weight, normed.data(), residual_out, m, hidden,
+                         stride_x, stride_residual, eps, num_threads);
+  pdserve_amx_linear(normed.data(), m, hidden, hidden, gate_up, 2 * intermediate, gate_up_bias,
+                     projected.data(), 2 * intermediate, num_threads);
+  pdserve::silu_and_mul_bf16(projected.data(), activated.data(), m, intermediate,
+                             2 * intermediate, num_threads);
+  pdserve_amx_linear(activated.data(), m, intermediate, intermediate, down, hidden, down_bias, out,
+                     hidden, num_threads);
 }
 
 }  // extern "C"

@@ -1,0 +1,77 @@
+"""The fused post-attention norm + gated MLP (kernels/mlp_cpu.py): the same bits as its four
+steps run one by one, and the steps one by one wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.linear import AMX_MAX_ROWS, amx_available, pack_linear_weights
+from pdserve.kernels.mlp_cpu import norm_mlp
+from pdserve.models.layers.layernorm import RMSNorm
+from pdserve.models.llama import LlamaMLP
+
+pytestmark = pytest.mark.skipif(not amx_available(), reason="no AMX bf16 tiles on this CPU")
+
+
+def _layer(hidden: int, intermediate: int, bias: bool, seed: int) -> tuple[RMSNorm, LlamaMLP]:
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(hidden, 1e-5, torch.bfloat16)
+    mlp = LlamaMLP(hidden, intermediate, "silu", bias, torch.bfloat16)
+    for p in (*norm.parameters(), *mlp.parameters()):
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1 if p.dim() == 1 else 0))
+    return norm, mlp
+
+
+def _inputs(rows: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(rows, hidden, generator=gen).bfloat16() for _ in range(2))
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64, AMX_MAX_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_gives_the_steps_bits(rows: int, bias: bool) -> None:
+    norm, mlp = _layer(128, 96, bias, seed=rows)
+    assert pack_linear_weights(mlp, 64) == 2
+    x, residual = _inputs(rows, 128, seed=rows)
+    with torch.inference_mode():
+        normed, expected_residual = norm(x, residual)
+        expected = mlp(normed)
+        out, residual_out = mlp.forward_after_norm(norm, x, residual)
+    assert torch.equal(residual_out, expected_residual)
+    assert torch.equal(out, expected)
+
+
+def _fused(norm: RMSNorm, mlp: LlamaMLP, x: torch.Tensor, residual: torch.Tensor):
+    return norm_mlp(
+        x,
+        residual,
+        norm.weight,
+        norm.variance_epsilon,
+        mlp.gate_up_proj.packed_weight,
+        mlp.gate_up_proj.bias,
+        mlp.down_proj.packed_weight,
+        mlp.down_proj.bias,
+    )
+
+
+def test_applies_to_packed_decode_batches_only() -> None:
+    norm, mlp = _layer(64, 96, False, seed=0)
+    x, residual = _inputs(8, 64, seed=0)
+    assert _fused(norm, mlp, x, residual) is None  # weights not packed
+    pack_linear_weights(mlp, 64)
+    assert _fused(norm, mlp, x, residual) is not None
+    assert _fused(norm, mlp, *_inputs(AMX_MAX_ROWS + 1, 64, seed=1)) is None  # prefill
+    assert _fused(norm, mlp, x.float(), residual.float()) is None
+    assert _fused(norm, mlp, x[:, ::2], residual[:, ::2]) is None  # strided features
+
+
+def test_hidden_sizes_off_the_k_block_run_the_steps() -> None:
+    norm, mlp = _layer(48, 96, False, seed=2)
+    pack_linear_weights(mlp, 64)
+    x, residual = _inputs(5, 48, seed=2)
+    assert _fused(norm, mlp, x, residual) is None
+    with torch.inference_mode():
+        normed, expected_residual = norm(x, residual)
+        out, residual_out = mlp.forward_after_norm(norm, x, residual)
+    assert torch.equal(out, mlp(normed)) and torch.equal(residual_out, expected_residual)
