@@ -23,7 +23,7 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from pdserve.kernels.attention import AttentionMetadata
-from pdserve.kernels.mlp_cpu import norm_mlp
+from pdserve.kernels.norm_linear_cpu import norm_linear, norm_mlp
 from pdserve.models.layers.activation import SiluAndMul, check_gated_act
 from pdserve.models.layers.attention import Attention
 from pdserve.models.layers.layernorm import RMSNorm
@@ -131,9 +131,42 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        return self._attend(positions, self.qkv_proj(hidden_states), kv_cache, attn_metadata)
+
+    def forward_after_norm(
+        self,
+        norm: RMSNorm,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(positions, norm(x, residual)[0], ...), the residual stream): the norm and q/k/v
+        in one native call where it applies."""
+        qkv = self.qkv_proj
+        fused = norm_linear(
+            x, residual, norm.weight, norm.variance_epsilon, qkv.packed_weight, qkv.bias
+        )
+        if fused is not None:
+            projected, residual = fused
+            return self._attend(positions, projected, kv_cache, attn_metadata), residual
+        if residual is None:
+            residual, x = x, norm(x)
+        else:
+            x, residual = norm(x, residual)
+        return self(positions, x, kv_cache, attn_metadata), residual
+
+    def _attend(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -169,12 +202,9 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MLP's output, the residual stream it adds to), left unsummed (vLLM's layout):
         the next norm adds them, so each residual add is fused into the norm that follows it."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.self_attn.forward_after_norm(
+            self.input_layernorm, positions, hidden_states, residual, kv_cache, attn_metadata
+        )
         if isinstance(self.mlp, LlamaMLP):
             return self.mlp.forward_after_norm(
                 self.post_attention_layernorm, hidden_states, residual

@@ -163,23 +163,34 @@ void pdserve_amx_linear(const T* x, int64_t m, int64_t k, int64_t stride_x, cons
 }
 
 
-// A decoder layer's second half in one call: the post-attention residual add and RMSNorm, then
-// gate_up, SiLU-and-mul and down (each step the same code as its own kernel, so the same bits).
+// An RMSNorm (with the residual add before it where `residual` is not null) and the matmul of
+// its output, in one call: each step the same code as its own kernel, so the same bits.
+// `residual_out` (unused without a residual) is [m, hidden], `out` [m, n].
+void pdserve_amx_norm_linear(const T* x, const T* residual, int64_t stride_x,
+                             int64_t stride_residual, const T* norm_weight, float eps, int64_t m,
+                             int64_t hidden, const T* packed, int64_t n, const T* bias,
+                             T* residual_out, T* out, int num_threads) {
+  // Reused across calls of this thread (the engine's single caller).
+  thread_local std::vector<T> normed;
+  normed.resize(m * hidden);
+  pdserve::rms_norm_bf16(x, residual, norm_weight, normed.data(), residual_out, m, hidden,
+                         stride_x, stride_residual, eps, num_threads);
+  pdserve_amx_linear(normed.data(), m, hidden, hidden, packed, n, bias, out, n, num_threads);
+}
+
+// A decoder layer's second half: the post-attention norm, gate_up, SiLU-and-mul and down.
 // `residual_out` and `out` are [m, hidden]; biases may be null.
 void pdserve_amx_norm_mlp(const T* x, const T* residual, int64_t stride_x, int64_t stride_residual,
                           const T* norm_weight, float eps, int64_t m, int64_t hidden,
                           const T* gate_up, const T* gate_up_bias, int64_t intermediate,
                           const T* down, const T* down_bias, T* residual_out, T* out,
                           int num_threads) {
-  // The step's intermediates, reused across calls of this thread (the engine's single caller).
-  thread_local std::vector<T> normed, projected, activated;
-  normed.resize(m * hidden);
+  thread_local std::vector<T> projected, activated;
   projected.resize(m * 2 * intermediate);
   activated.resize(m * intermediate);
-  pdserve::rms_norm_bf16(x, residual, norm_weight, normed.data(), residual_out, m, hidden,
-                         stride_x, stride_residual, eps, num_threads);
-  pdserve_amx_linear(normed.data(), m, hidden, hidden, gate_up, 2 * intermediate, gate_up_bias,
-                     projected.data(), 2 * intermediate, num_threads);
+  pdserve_amx_norm_linear(x, residual, stride_x, stride_residual, norm_weight, eps, m, hidden,
+                          gate_up, 2 * intermediate, gate_up_bias, residual_out, projected.data(),
+                          num_threads);
   pdserve::silu_and_mul_bf16(projected.data(), activated.data(), m, intermediate,
                              2 * intermediate, num_threads);
   pdserve_amx_linear(activated.data(), m, intermediate, intermediate, down, hidden, down_bias, out,

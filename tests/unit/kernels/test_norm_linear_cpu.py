@@ -1,5 +1,5 @@
-"""The fused post-attention norm + gated MLP (kernels/mlp_cpu.py): the same bits as its four
-steps run one by one, and the steps one by one wherever it does not apply."""
+"""The fused norm + q/k/v and norm + gated MLP calls (kernels/norm_linear_cpu.py): the same bits
+as their steps run one by one, and the steps one by one wherever they do not apply."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.kernels.linear import AMX_MAX_ROWS, amx_available, pack_linear_weights
-from pdserve.kernels.mlp_cpu import norm_mlp
+from pdserve.kernels.norm_linear_cpu import norm_linear, norm_mlp
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.llama import LlamaMLP
 
@@ -75,3 +75,21 @@ def test_hidden_sizes_off_the_k_block_run_the_steps() -> None:
         normed, expected_residual = norm(x, residual)
         out, residual_out = mlp.forward_after_norm(norm, x, residual)
     assert torch.equal(out, mlp(normed)) and torch.equal(residual_out, expected_residual)
+
+
+@pytest.mark.parametrize("rows", [1, 33, AMX_MAX_ROWS])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_linear_gives_the_steps_bits(rows: int, with_residual: bool) -> None:
+    norm, mlp = _layer(96, 64, True, seed=rows)
+    proj = mlp.gate_up_proj  # a linear of the hidden states, with a bias
+    pack_linear_weights(mlp, 64)
+    x, residual = _inputs(rows, 96, seed=rows)
+    residual = residual if with_residual else None
+    fused = norm_linear(
+        x, residual, norm.weight, norm.variance_epsilon, proj.packed_weight, proj.bias
+    )
+    assert fused is not None
+    with torch.inference_mode():
+        normed, expected_residual = norm(x, residual) if residual is not None else (norm(x), x)
+    assert torch.equal(fused[0], proj(normed))
+    assert torch.equal(fused[1], expected_residual)
