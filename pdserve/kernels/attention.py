@@ -96,6 +96,7 @@ def paged_attention_torch(
 
 
 _CPU_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Geometry(ctypes.Structure):
@@ -149,30 +150,100 @@ def paged_attention_cpu(
     num_heads, head_dim = query.shape[1], query.shape[2]
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         query = query.contiguous()
+    out = query.new_empty(md.num_actual_tokens, num_heads, head_dim)
+    geometry = _geometry(kv_cache, md, num_heads, head_dim, query.stride(0), out.stride(0), scale)
+    qsl, seq_lens = _int32(md.query_start_loc), _int32(md.seq_lens)
+    kernel(
+        dtype,
+        query.data_ptr(),
+        kv_cache.data_ptr(),
+        md.block_table.data_ptr(),
+        qsl.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        md.num_reqs,
+        torch.get_num_threads(),
+        ctypes.byref(geometry),
+    )
+    return out
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """t as the kernels read it (itself where it already is: V2's tables are int32)."""
+    return t.to(torch.int32).contiguous()
+
+
+def _geometry(
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    num_heads: int,
+    head_dim: int,
+    stride_q_token: int,
+    stride_out_token: int,
+    scale: float,
+) -> _Geometry:
+    """The kernel's view of a layer's cache (checked to be one), and of the batch's tables."""
     assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim, "a layer view of the cache"
     block_table = md.block_table
     assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
-    qsl = md.query_start_loc.to(torch.int32).contiguous()
-    seq_lens = md.seq_lens.to(torch.int32).contiguous()
-    out = query.new_empty(md.num_actual_tokens, num_heads, head_dim)
-    geometry = _Geometry(
+    return _Geometry(
         num_heads,
         kv_cache.shape[3],
         head_dim,
         kv_cache.shape[2],
-        query.stride(0),
-        out.stride(0),
+        stride_q_token,
+        stride_out_token,
         kv_cache.stride(0),
         kv_cache.stride(1),
         kv_cache.stride(2),
         block_table.stride(0),
         scale,
     )
-    kernel(
-        dtype,
-        query.data_ptr(),
+
+
+def rope_attention_cpu(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    num_heads: int,
+    head_dim: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """A layer's attention from its q/k/v projection [T, (num_heads + 2 kv heads) head_dim] in one
+    native call: rotary embedding, the cache write, paged attention, each the same code as its
+    own kernel. Returns [T, num_heads * head_dim]; None where it does not apply (then the caller
+    runs the three)."""
+    if qkv.dtype != torch.bfloat16 or cos_sin_cache.dtype != torch.bfloat16:
+        return None
+    if md.max_query_len > _CPU_KERNEL_MAX_QUERY_LEN or md.num_actual_tokens != qkv.shape[0]:
+        return None
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or kv_cache.dtype != torch.bfloat16:
+        return None
+    if md.slot_mapping.dtype != torch.int64 or not backend.use_cpu_kernels(qkv.device):
+        return None
+    fn = native.function(
+        "paged_attention_cpu", "pdserve_rope_attention", _P, _I64, _P, _P, _P, _P, _I64, _P, _P,
+        _P, _P, _I64, ctypes.c_int, ctypes.POINTER(_Geometry),
+    )  # fmt: skip
+    if fn is None:
+        return None
+    positions = positions.to(torch.int64).contiguous()
+    table = cos_sin_cache.contiguous()
+    slot_mapping = md.slot_mapping.contiguous()
+    out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
+    geometry = _geometry(kv_cache, md, num_heads, head_dim, 0, out.stride(0), scale)
+    qsl, seq_lens = _int32(md.query_start_loc), _int32(md.seq_lens)
+    fn(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        positions.data_ptr(),
+        table.data_ptr(),
         kv_cache.data_ptr(),
-        block_table.data_ptr(),
+        slot_mapping.data_ptr(),
+        qkv.shape[0],
+        md.block_table.data_ptr(),
         qsl.data_ptr(),
         seq_lens.data_ptr(),
         out.data_ptr(),

@@ -103,7 +103,7 @@ def write_kv_cache_torch(
 
 
 class _Strides(ctypes.Structure):
-    """Mirrors `Strides` in csrc/kv_cache_cpu.cpp (in elements)."""
+    """Mirrors `KVStrides` in csrc/kv_cache.h (in elements)."""
 
     _fields_ = [
         (name, ctypes.c_int64)

@@ -22,7 +22,7 @@ from pdserve.distributed.parallel_state import (
     is_last_stage,
     tensor_model_parallel_all_reduce,
 )
-from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.attention import AttentionMetadata, rope_attention_cpu
 from pdserve.kernels.norm_linear_cpu import norm_linear, norm_mlp
 from pdserve.models.layers.activation import SiluAndMul, check_gated_act
 from pdserve.models.layers.attention import Attention
@@ -164,6 +164,20 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.q_norm is None:
+            # Rotary, the cache write and attention in one native call where it applies.
+            out = rope_attention_cpu(
+                qkv,
+                positions,
+                self.rotary_emb.cos_sin_cache,
+                kv_cache,
+                attn_metadata,
+                self.num_heads,
+                self.head_dim,
+                self.attn.scale,
+            )
+            if out is not None:
+                return self.o_proj(out)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

@@ -1,6 +1,7 @@
-// RMSNorm (with the residual add before it) and SiLU-and-mul on bf16 rows with AVX-512: the
-// bodies of elementwise_cpu.cpp's kernels, shared with linear_cpu.cpp's fused MLP so that both
-// give the same bits. Each call runs its rows on `num_threads` OpenMP threads where the batch is
+// The bodies of elementwise_cpu.cpp's kernels that other kernels run too, so that a fused call
+// gives the same bits as its steps: rotary embedding (paged_attention_cpu.cpp's fused call), and
+// RMSNorm (with the residual add before it) and SiLU-and-mul on bf16 rows with AVX-512
+// (linear_cpu.cpp's). Each call runs its rows on `num_threads` OpenMP threads where the batch is
 // large enough to gain from a second (kParallelMinElements), else on the caller's.
 #pragma once
 #include <cmath>
@@ -15,6 +16,31 @@ namespace pdserve {
 // wake on these VMs, and a running one may be preempted. Every decode step's norms, rotations
 // and activations stay on the calling thread; prefill's large batches are split.
 constexpr int64_t kParallelMinElements = 1 << 20;
+
+// x * cos + roll(x, head_dim / 2) * sin per head, the sign of sin folded into the table.
+template <typename K>
+inline void rotate(const int64_t* positions, const typename K::T* src, typename K::T* dst,
+            const typename K::T* cos_sin, int64_t tokens, int64_t heads, int64_t head_dim,
+            int64_t stride_token, int64_t stride_head, int num_threads) {
+  const int64_t half = head_dim / 2;
+  const bool parallel = tokens * heads * head_dim >= kParallelMinElements;
+#pragma omp parallel for num_threads(num_threads) if (parallel)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const typename K::T* cos = cos_sin + positions[t] * 2 * head_dim;
+    const typename K::T* sin = cos + head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const typename K::T* x = src + t * stride_token + h * stride_head;
+      typename K::T* o = dst + (t * heads + h) * head_dim;
+      // Two halves, so that the roll is an offset rather than a modulo per element.
+      for (int64_t d = 0; d < half; ++d)
+        o[d] = K::store(rounded<K>(K::load(x[d]) * K::load(cos[d])) +
+                        rounded<K>(K::load(x[d + half]) * K::load(sin[d])));
+      for (int64_t d = half; d < head_dim; ++d)
+        o[d] = K::store(rounded<K>(K::load(x[d]) * K::load(cos[d])) +
+                        rounded<K>(K::load(x[d - half]) * K::load(sin[d])));
+    }
+  }
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // The lanes of the 16 from element i that lie in a row of n.

@@ -16,6 +16,7 @@ namespace {
 using pdserve::BF16;
 using pdserve::F32;
 using pdserve::kParallelMinElements;
+using pdserve::rotate;
 using pdserve::rounded;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 using pdserve::rms_norm_bf16;
@@ -46,31 +47,6 @@ void rms_norm(const typename K::T* x, const typename K::T* residual, const typen
     const float inv = 1.f / std::sqrt(sum / float(hidden) + eps);
     for (int64_t i = 0; i < hidden; ++i)
       o[i] = K::store(K::load(weight[i]) * rounded<K>(K::load(xr[i]) * inv));
-  }
-}
-
-// x * cos + roll(x, head_dim / 2) * sin per head, the sign of sin folded into the table.
-template <typename K>
-void rotate(const int64_t* positions, const typename K::T* src, typename K::T* dst,
-            const typename K::T* cos_sin, int64_t tokens, int64_t heads, int64_t head_dim,
-            int64_t stride_token, int64_t stride_head, int num_threads) {
-  const int64_t half = head_dim / 2;
-  const bool parallel = tokens * heads * head_dim >= kParallelMinElements;
-#pragma omp parallel for num_threads(num_threads) if (parallel)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const typename K::T* cos = cos_sin + positions[t] * 2 * head_dim;
-    const typename K::T* sin = cos + head_dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      const typename K::T* x = src + t * stride_token + h * stride_head;
-      typename K::T* o = dst + (t * heads + h) * head_dim;
-      // Two halves, so that the roll is an offset rather than a modulo per element.
-      for (int64_t d = 0; d < half; ++d)
-        o[d] = K::store(rounded<K>(K::load(x[d]) * K::load(cos[d])) +
-                        rounded<K>(K::load(x[d + half]) * K::load(sin[d])));
-      for (int64_t d = half; d < head_dim; ++d)
-        o[d] = K::store(rounded<K>(K::load(x[d]) * K::load(cos[d])) +
-                        rounded<K>(K::load(x[d - half]) * K::load(sin[d])));
-    }
   }
 }
 

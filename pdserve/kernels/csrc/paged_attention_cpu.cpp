@@ -9,9 +9,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "dtypes.h"
+#include "elementwise.h"
+#include "kv_cache.h"
 
 namespace {
 
@@ -299,6 +302,51 @@ void attend_bf16(const uint16_t* query, const uint16_t* cache, const int32_t* bl
 }
 #endif
 
+template <typename K>
+void attend_any(const typename K::T* query, const typename K::T* cache, const int32_t* block_table,
+                const int32_t* query_start_loc, const int32_t* seq_lens, typename K::T* out,
+                int64_t num_reqs, int num_threads, const Geometry& g) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<K, BF16>) {
+    if (g.head_dim % 32 == 0 && g.num_heads / g.num_kv_heads <= 8) {
+      attend_bf16(query, cache, block_table, query_start_loc, seq_lens, out, num_reqs,
+                  num_threads, g);
+      return;
+    }
+  }
+#endif
+  attend<K>(query, cache, block_table, query_start_loc, seq_lens, out, num_reqs, num_threads, g);
+}
+
+// A layer's attention from its q/k/v projection: rotate q and k (elementwise.h's rotary), store
+// k and v at their slots (kv_cache.h's write), attend. The same bits as the three kernels, in
+// one call: qkv [tokens, (num_heads + 2 num_kv_heads) head_dim], rows `stride_qkv` apart.
+template <typename K>
+void rope_attend(const typename K::T* qkv, int64_t stride_qkv, const int64_t* positions,
+                 const typename K::T* cos_sin, typename K::T* cache, const int64_t* slot_mapping,
+                 int64_t num_tokens, int64_t block_size, const int32_t* block_table,
+                 const int32_t* query_start_loc, const int32_t* seq_lens, typename K::T* out,
+                 int64_t num_reqs, int num_threads, Geometry g) {
+  using T = typename K::T;
+  const int64_t dim = g.head_dim, q_size = g.num_heads * dim, kv_size = g.num_kv_heads * dim;
+  // Reused across calls of this thread (the engine's single caller).
+  thread_local std::vector<T> q, k;
+  q.resize(num_tokens * q_size);
+  k.resize(num_tokens * kv_size);
+  pdserve::rotate<K>(positions, qkv, q.data(), cos_sin, num_tokens, g.num_heads, dim,
+                     stride_qkv, dim, num_threads);
+  pdserve::rotate<K>(positions, qkv + q_size, k.data(), cos_sin, num_tokens, g.num_kv_heads,
+                     dim, stride_qkv, dim, num_threads);
+  const pdserve::KVStrides s{kv_size, dim, stride_qkv, dim,
+                             g.stride_block, g.stride_kv, g.stride_slot, dim};
+  pdserve::write_kv(k.data(), qkv + q_size + kv_size, cache, slot_mapping, num_tokens,
+                    g.num_kv_heads, dim * int64_t(sizeof(T)), block_size, sizeof(T), s,
+                    num_threads);
+  g.stride_q_token = q_size;
+  attend_any<K>(q.data(), cache, block_table, query_start_loc, seq_lens, out, num_reqs,
+                num_threads, g);
+}
+
 }  // namespace
 
 // dtype: 0 float32, 1 bfloat16.
@@ -306,21 +354,26 @@ extern "C" void pdserve_paged_attention(int dtype, const void* query, const void
                                         const int32_t* block_table, const int32_t* query_start_loc,
                                         const int32_t* seq_lens, void* out, int64_t num_reqs,
                                         int num_threads, const Geometry* g) {
-  if (dtype == 0) {
-    attend<F32>(static_cast<const float*>(query), static_cast<const float*>(cache), block_table,
-                query_start_loc, seq_lens, static_cast<float*>(out), num_reqs, num_threads, *g);
-    return;
-  }
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  const int64_t group = g->num_heads / g->num_kv_heads;
-  if (g->head_dim % 32 == 0 && group <= 8) {
-    attend_bf16(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(cache),
-                block_table, query_start_loc, seq_lens, static_cast<uint16_t*>(out), num_reqs,
-                num_threads, *g);
-    return;
-  }
-#endif
-  attend<BF16>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(cache),
-               block_table, query_start_loc, seq_lens, static_cast<uint16_t*>(out), num_reqs,
-               num_threads, *g);
+  if (dtype == 0)
+    attend_any<F32>(static_cast<const float*>(query), static_cast<const float*>(cache),
+                    block_table, query_start_loc, seq_lens, static_cast<float*>(out), num_reqs,
+                    num_threads, *g);
+  else
+    attend_any<BF16>(static_cast<const uint16_t*>(query), static_cast<const uint16_t*>(cache),
+                     block_table, query_start_loc, seq_lens, static_cast<uint16_t*>(out),
+                     num_reqs, num_threads, *g);
+}
+
+// bfloat16 only: float32 keeps the torch rotary, whose bits are HF's. g->stride_q_token is unused.
+extern "C" void pdserve_rope_attention(const void* qkv, int64_t stride_qkv,
+                                       const int64_t* positions, const void* cos_sin, void* cache,
+                                       const int64_t* slot_mapping, int64_t num_tokens,
+                                       const int32_t* block_table,
+                                       const int32_t* query_start_loc, const int32_t* seq_lens,
+                                       void* out, int64_t num_reqs, int num_threads,
+                                       const Geometry* g) {
+  rope_attend<BF16>(static_cast<const uint16_t*>(qkv), stride_qkv, positions,
+                    static_cast<const uint16_t*>(cos_sin), static_cast<uint16_t*>(cache),
+                    slot_mapping, num_tokens, g->block_size, block_table, query_start_loc,
+                    seq_lens, static_cast<uint16_t*>(out), num_reqs, num_threads, *g);
 }

@@ -1,5 +1,6 @@
-"""The C++ CPU paged attention (csrc/paged_attention_cpu.cpp) against the torch reference, and
-its fallback where no compiler builds it."""
+"""The C++ CPU paged attention (csrc/paged_attention_cpu.cpp) against the torch reference, its
+fused rotary + cache write + attention call against the three kernels, and the fallback where
+no compiler builds it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import pytest
 import torch
 
 from pdserve.kernels import attention, native
-from pdserve.kernels.attention import paged_attention, paged_attention_cpu, paged_attention_torch
+from pdserve.kernels.attention import (
+    paged_attention,
+    paged_attention_cpu,
+    paged_attention_torch,
+    rope_attention_cpu,
+)
+from pdserve.kernels.kv_cache import write_kv_cache
+from pdserve.kernels.rotary import rotary_embedding
+from pdserve.models.layers.rotary_embedding import get_rope
 from tests.unit.kernels.test_attention import MIXED, TOLERANCE, _batch
 
 pytestmark = pytest.mark.skipif(
@@ -97,3 +106,52 @@ def test_no_compiler_falls_back_to_the_reference(
     finally:
         native.load.cache_clear()
         attention._cpu_kernel.cache_clear()
+
+
+def _qkv_batch(group: int, head_dim: int, requests=MIXED):
+    """A layer's q/k/v projection for `requests` (query length, context length), their positions,
+    a cache holding their contexts and a bf16 rotary table."""
+    _, kv_cache, md = _batch(requests, group=group, head_dim=head_dim, dtype=torch.bfloat16)
+    num_kv_heads = kv_cache.shape[3]
+    num_heads = num_kv_heads * group
+    gen = torch.Generator().manual_seed(group * head_dim)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(md.num_actual_tokens, width, generator=gen).bfloat16()
+    positions = torch.cat([torch.arange(context, context + q) for q, context in requests]).to(
+        torch.int64
+    )
+    table = get_rope(head_dim, {"rope_theta": 10000.0}, 256, torch.bfloat16).cos_sin_cache
+    return qkv, positions, table, kv_cache, md, num_heads
+
+
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (1, 32), (9, 64), (2, 24)])
+def test_rope_attention_gives_the_three_kernels_bits(group: int, head_dim: int) -> None:
+    """Rotary + cache write + attention in one call: the output and the cache are bit for bit
+    what the three kernels give (groups over 8 and odd head sizes take the scalar paths)."""
+    qkv, positions, table, kv_cache, md, num_heads = _qkv_batch(group, head_dim)
+    num_kv_heads, scale = kv_cache.shape[3], head_dim**-0.5
+    fused_cache, steps_cache = kv_cache.clone(), kv_cache.clone()
+    out = rope_attention_cpu(qkv, positions, table, fused_cache, md, num_heads, head_dim, scale)
+    assert out is not None and out.shape == (md.num_actual_tokens, num_heads * head_dim)
+    q, k, v = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=-1)
+    q, k = rotary_embedding(
+        positions,
+        q.unflatten(-1, (num_heads, head_dim)),
+        k.unflatten(-1, (num_kv_heads, head_dim)),
+        table,
+    )
+    write_kv_cache(k, v.unflatten(-1, (num_kv_heads, head_dim)), steps_cache, md.slot_mapping)
+    expected = paged_attention(q, steps_cache, md, scale)
+    assert torch.equal(fused_cache, steps_cache)
+    assert torch.equal(out, expected.flatten(1))
+
+
+def test_rope_attention_applies_to_bf16_decode_batches_only() -> None:
+    qkv, positions, table, kv_cache, md, num_heads = _qkv_batch(2, 64)
+    args = (kv_cache, md, num_heads, 64, 0.125)
+    assert rope_attention_cpu(qkv.float(), positions, table, *args) is None  # fp32: HF's rotary
+    assert rope_attention_cpu(qkv, positions, table.float(), *args) is None
+    padded = torch.cat([qkv, qkv[:1]])  # a padded batch: the caller pads the output
+    assert rope_attention_cpu(padded, positions, table, *args) is None
+    long = _qkv_batch(2, 64, requests=[(65, 0)])
+    assert rope_attention_cpu(*long[:5], long[5], 64, 0.125) is None  # a long prompt: SDPA
