@@ -99,8 +99,8 @@ _CPU_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class _Geometry(ctypes.Structure):
-    """Mirrors `Geometry` in csrc/paged_attention_cpu.cpp."""
+class Geometry(ctypes.Structure):
+    """Mirrors `Geometry` in csrc/paged_attention.h."""
 
     _fields_ = [
         (name, ctypes.c_int64)
@@ -118,6 +118,37 @@ class _Geometry(ctypes.Structure):
         )
     ] + [("scale", ctypes.c_float)]
 
+    @classmethod
+    def of(
+        cls,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        num_heads: int,
+        head_dim: int,
+        stride_q_token: int,
+        stride_out_token: int,
+        scale: float,
+    ) -> Geometry:
+        """The kernel's view of a layer's cache (checked to be one), and of the batch's tables."""
+        assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim, (
+            "a layer view of the cache"
+        )
+        block_table = md.block_table
+        assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+        return cls(
+            num_heads,
+            kv_cache.shape[3],
+            head_dim,
+            kv_cache.shape[2],
+            stride_q_token,
+            stride_out_token,
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            block_table.stride(0),
+            scale,
+        )
+
 
 @functools.cache
 def _cpu_kernel() -> ctypes._CFuncPtr | None:
@@ -126,14 +157,14 @@ def _cpu_kernel() -> ctypes._CFuncPtr | None:
         return None
     fn = lib.pdserve_paged_attention
     pointers = [ctypes.c_void_p] * 6
-    fn.argtypes = [ctypes.c_int, *pointers, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Geometry)]
+    fn.argtypes = [ctypes.c_int, *pointers, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(Geometry)]
     fn.restype = None
     return fn
 
 
 # The CPU kernel scores each query token against its keys one by one: unbeatable for decodes
 # and short chunks, while SDPA's tiled matmuls win on long prompts.
-_CPU_KERNEL_MAX_QUERY_LEN = 64
+CPU_KERNEL_MAX_QUERY_LEN = 64
 
 
 def paged_attention_cpu(
@@ -142,7 +173,7 @@ def paged_attention_cpu(
     """The C++ kernel of csrc/paged_attention_cpu.cpp: reads keys and values through the block
     table in place. None where it does not apply (dtype, layout, long queries, no compiler)."""
     dtype = _CPU_DTYPES.get(query.dtype)
-    if dtype is None or md.max_query_len > _CPU_KERNEL_MAX_QUERY_LEN:
+    if dtype is None or md.max_query_len > CPU_KERNEL_MAX_QUERY_LEN:
         return None
     kernel = _cpu_kernel()
     if kernel is None:
@@ -151,7 +182,7 @@ def paged_attention_cpu(
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         query = query.contiguous()
     out = query.new_empty(md.num_actual_tokens, num_heads, head_dim)
-    geometry = _geometry(kv_cache, md, num_heads, head_dim, query.stride(0), out.stride(0), scale)
+    geometry = Geometry.of(kv_cache, md, num_heads, head_dim, query.stride(0), out.stride(0), scale)
     qsl, seq_lens = _int32(md.query_start_loc), _int32(md.seq_lens)
     kernel(
         dtype,
@@ -173,34 +204,6 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
 
 
-def _geometry(
-    kv_cache: torch.Tensor,
-    md: AttentionMetadata,
-    num_heads: int,
-    head_dim: int,
-    stride_q_token: int,
-    stride_out_token: int,
-    scale: float,
-) -> _Geometry:
-    """The kernel's view of a layer's cache (checked to be one), and of the batch's tables."""
-    assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim, "a layer view of the cache"
-    block_table = md.block_table
-    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
-    return _Geometry(
-        num_heads,
-        kv_cache.shape[3],
-        head_dim,
-        kv_cache.shape[2],
-        stride_q_token,
-        stride_out_token,
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        block_table.stride(0),
-        scale,
-    )
-
-
 def rope_attention_cpu(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -217,7 +220,7 @@ def rope_attention_cpu(
     runs the three)."""
     if qkv.dtype != torch.bfloat16 or cos_sin_cache.dtype != torch.bfloat16:
         return None
-    if md.max_query_len > _CPU_KERNEL_MAX_QUERY_LEN or md.num_actual_tokens != qkv.shape[0]:
+    if md.max_query_len > CPU_KERNEL_MAX_QUERY_LEN or md.num_actual_tokens != qkv.shape[0]:
         return None
     if qkv.dim() != 2 or qkv.stride(1) != 1 or kv_cache.dtype != torch.bfloat16:
         return None
@@ -225,7 +228,7 @@ def rope_attention_cpu(
         return None
     fn = native.function(
         "paged_attention_cpu", "pdserve_rope_attention", _P, _I64, _P, _P, _P, _P, _I64, _P, _P,
-        _P, _P, _I64, ctypes.c_int, ctypes.POINTER(_Geometry),
+        _P, _P, _I64, ctypes.c_int, ctypes.POINTER(Geometry),
     )  # fmt: skip
     if fn is None:
         return None
@@ -233,7 +236,7 @@ def rope_attention_cpu(
     table = cos_sin_cache.contiguous()
     slot_mapping = md.slot_mapping.contiguous()
     out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
-    geometry = _geometry(kv_cache, md, num_heads, head_dim, 0, out.stride(0), scale)
+    geometry = Geometry.of(kv_cache, md, num_heads, head_dim, 0, out.stride(0), scale)
     qsl, seq_lens = _int32(md.query_start_loc), _int32(md.seq_lens)
     fn(
         qkv.data_ptr(),

@@ -23,6 +23,7 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from pdserve.kernels.attention import AttentionMetadata, rope_attention_cpu
+from pdserve.kernels.decoder_cpu import DecoderStack, LayerWeights
 from pdserve.kernels.norm_linear_cpu import norm_linear, norm_mlp
 from pdserve.models.layers.activation import SiluAndMul, check_gated_act
 from pdserve.models.layers.attention import Attention
@@ -227,6 +228,31 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+def _stack_weights(layer: nn.Module) -> LayerWeights | None:
+    """A layer's weights for the native decoder stack; None where it is not plain Llama with
+    AMX-packed projections on one TP rank."""
+    if not isinstance(layer, LlamaDecoderLayer) or not isinstance(layer.mlp, LlamaMLP):
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(attn, LlamaAttention) or attn.q_norm is not None or attn.o_proj.tp_size > 1:
+        return None
+    packed = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    if any(p.packed_weight is None for p in packed):
+        return None
+    return LayerWeights(
+        layer.input_layernorm.weight,
+        attn.qkv_proj.packed_weight,
+        attn.qkv_proj.bias,
+        attn.o_proj.packed_weight,
+        attn.o_proj.bias,
+        layer.post_attention_layernorm.weight,
+        mlp.gate_up_proj.packed_weight,
+        mlp.gate_up_proj.bias,
+        mlp.down_proj.packed_weight,
+        mlp.down_proj.bias,
+    )
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -264,6 +290,36 @@ class LlamaModel(nn.Module):
             if self.is_last_stage
             else PPMissingLayer()
         )
+        self._stack: DecoderStack | None = None
+        self._stack_checked = False
+
+    def _decoder_stack(self) -> DecoderStack | None:
+        """This stage's layers as one native call (kernels/decoder_cpu.py), gathered at the first
+        forward (after the weights were packed), or None where a layer is not plain Llama on
+        AMX: q/k norms, an MoE MLP, tensor parallelism, unpacked weights."""
+        if self._stack_checked:
+            return self._stack
+        self._stack_checked = True
+        layers = list(islice(self.layers, self.start_layer, self.end_layer))
+        weights = [_stack_weights(layer) for layer in layers]
+        if any(w is None for w in weights) or not DecoderStack.available(weights):
+            return None
+        attn = layers[0].self_attn
+        norms = [
+            n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        if len({n.variance_epsilon for n in norms}) != 1:
+            return None
+        self._stack = DecoderStack(
+            weights,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            norms[0].variance_epsilon,
+            attn.attn.scale,
+            self.rotary_emb.cos_sin_cache,
+        )
+        return self._stack
 
     def forward(
         self,
@@ -281,11 +337,18 @@ class LlamaModel(nn.Module):
             assert intermediate_tensors is not None, "a later stage continues the previous one"
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
-        layers = islice(self.layers, self.start_layer, self.end_layer)
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            hidden_states, residual = layer(
-                positions, hidden_states, residual, kv_cache, attn_metadata
-            )
+        stack = self._decoder_stack()
+        fused = stack and stack.forward(
+            hidden_states, residual, positions, kv_caches, attn_metadata
+        )
+        if fused:
+            hidden_states, residual = fused
+        else:
+            layers = islice(self.layers, self.start_layer, self.end_layer)
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                hidden_states, residual = layer(
+                    positions, hidden_states, residual, kv_cache, attn_metadata
+                )
         assert residual is not None, "a stage has at least one layer"
         if not self.is_last_stage:
             return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})

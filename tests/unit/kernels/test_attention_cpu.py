@@ -68,7 +68,7 @@ def test_strided_query() -> None:
 def test_long_queries_use_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(attention, "paged_attention_torch", lambda *args: calls.append("torch"))
-    query, kv_cache, md = _batch([(attention._CPU_KERNEL_MAX_QUERY_LEN + 1, 3)])
+    query, kv_cache, md = _batch([(attention.CPU_KERNEL_MAX_QUERY_LEN + 1, 3)])
     paged_attention(query, kv_cache, md, 1.0)
     assert calls == ["torch"]
 

@@ -1,0 +1,90 @@
+// A Llama decoder stack's decode step in one call: per layer the input norm and q/k/v, rotary +
+// cache write + attention, o_proj, and the post-attention norm and gated MLP, each the same
+// code as its own kernel (amx_linear.h, paged_attention.h), so the bits are the per-layer
+// path's. In the engine the Python around each kernel call costs more than the kernel (the
+// weights streaming past evict the interpreter's state); this leaves one call per step.
+// Built and loaded by pdserve/kernels/native.py; without AMX nothing but
+// pdserve_decoder_layers_available is built.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "amx_linear.h"
+#include "paged_attention.h"
+
+#ifdef PDSERVE_AMX
+namespace {
+
+// One layer's weights (packed for AMX; biases and the cache view as the model holds them).
+struct LayerWeights {
+  const T* input_norm;
+  const T* qkv;
+  const T* qkv_bias;
+  const T* o;
+  const T* o_bias;
+  const T* post_norm;
+  const T* gate_up;
+  const T* gate_up_bias;
+  const T* down;
+  const T* down_bias;
+};
+
+struct StackShape {
+  int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim;
+  float eps, scale;
+};
+
+}  // namespace
+
+extern "C" {
+
+int pdserve_decoder_layers_available() { return 1; }
+
+// hidden [m, hidden] in; residual null on the first stage (the first norm adds nothing). Out:
+// the last layer's MLP output and the residual stream, unsummed (the model's final norm adds
+// them). `caches[l]` is layer l's view, all with the strides of `g` (its stride_q_token unused).
+void pdserve_decoder_layers(const LayerWeights* layers, const T* const* caches, int64_t num_layers,
+                            const StackShape* s, const Geometry* g, const T* hidden,
+                            const T* residual, int64_t m, const int64_t* positions,
+                            const T* cos_sin, const int64_t* slot_mapping,
+                            const int32_t* block_table, const int32_t* query_start_loc,
+                            const int32_t* seq_lens, int64_t num_reqs, T* hidden_out,
+                            T* residual_out, int num_threads) {
+  const int64_t d = s->hidden, q_size = s->num_heads * s->head_dim;
+  const int64_t qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
+  thread_local std::vector<T> qkv, attended, projected, stream, out;
+  qkv.resize(m * qkv_size);
+  attended.resize(m * q_size);
+  projected.resize(m * d);
+  stream.resize(m * d);  // the residual stream, updated in place by each norm
+  out.resize(m * d);
+  const T* x = hidden;
+  if (residual != nullptr) std::memcpy(stream.data(), residual, m * d * sizeof(T));
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const LayerWeights& w = layers[l];
+    if (l == 0 && residual == nullptr) {
+      std::memcpy(stream.data(), x, m * d * sizeof(T));
+      amx_norm_linear(x, nullptr, d, 0, w.input_norm, s->eps, m, d, w.qkv, qkv_size, w.qkv_bias,
+                      nullptr, qkv.data(), num_threads);
+    } else {
+      amx_norm_linear(x, stream.data(), d, d, w.input_norm, s->eps, m, d, w.qkv, qkv_size,
+                      w.qkv_bias, stream.data(), qkv.data(), num_threads);
+    }
+    rope_attend<BF16>(qkv.data(), qkv_size, positions, cos_sin, const_cast<T*>(caches[l]),
+                      slot_mapping, m, g->block_size, block_table, query_start_loc, seq_lens,
+                      attended.data(), num_reqs, num_threads, *g);
+    amx_linear(attended.data(), m, q_size, q_size, w.o, d, w.o_bias, projected.data(), d,
+               num_threads);
+    amx_norm_mlp(projected.data(), stream.data(), d, d, w.post_norm, s->eps, m, d, w.gate_up,
+                 w.gate_up_bias, s->intermediate, w.down, w.down_bias, stream.data(), out.data(),
+                 num_threads);
+    x = out.data();
+  }
+  std::memcpy(hidden_out, out.data(), m * d * sizeof(T));
+  std::memcpy(residual_out, stream.data(), m * d * sizeof(T));
+}
+
+}  // extern "C"
+#else
+extern "C" int pdserve_decoder_layers_available() { return 0; }
+#endif

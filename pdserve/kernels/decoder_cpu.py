@@ -1,0 +1,186 @@
+"""A Llama decoder stack's decode step in one call into csrc/decoder_cpu.cpp, on AMX in bf16.
+
+Per layer it runs what the model's per-layer path runs through norm_linear_cpu, the fused
+rotary + attention call and the AMX linear: the same C code, so the same bits, without the
+Python between the calls, which in the engine costs more than the kernels it calls (the
+weights streaming past evict the interpreter's state). Decode-sized batches only; the caller
+runs its layers one by one wherever `DecoderStack.forward` returns None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kernels import backend, native
+from pdserve.kernels.attention import CPU_KERNEL_MAX_QUERY_LEN, AttentionMetadata, Geometry
+from pdserve.kernels.linear import AMX_BLOCK_K, AMX_MAX_ROWS, PackedWeight
+
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class _LayerWeights(ctypes.Structure):
+    """Mirrors `LayerWeights` in csrc/decoder_cpu.cpp."""
+
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "input_norm", "qkv", "qkv_bias", "o", "o_bias",
+            "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
+        )
+    ]  # fmt: skip
+
+
+class _StackShape(ctypes.Structure):
+    """Mirrors `StackShape` in csrc/decoder_cpu.cpp."""
+
+    _fields_ = [
+        *(
+            (name, _I64)
+            for name in ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim")
+        ),
+        ("eps", _F),
+        ("scale", _F),
+    ]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer as the stack reads it: norms' weights, AMX-packed projections."""
+
+    input_norm: torch.Tensor
+    qkv: PackedWeight
+    qkv_bias: torch.Tensor | None
+    o: PackedWeight
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: PackedWeight
+    gate_up_bias: torch.Tensor | None
+    down: PackedWeight
+    down_bias: torch.Tensor | None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+class DecoderStack:
+    """The layers of one pipeline stage, their pointers gathered once."""
+
+    def __init__(
+        self,
+        layers: list[LayerWeights],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+        cos_sin_cache: torch.Tensor,
+    ) -> None:
+        self.layers = layers  # kept: the pointers below are into these tensors
+        self.hidden = layers[0].input_norm.shape[0]
+        self.cos_sin_cache = cos_sin_cache.contiguous()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.shape = _StackShape(
+            self.hidden, layers[0].down.in_features, num_heads, num_kv_heads, head_dim, eps, scale
+        )
+        self.weights = (_LayerWeights * len(layers))(
+            *(
+                _LayerWeights(
+                    _ptr(w.input_norm),
+                    _ptr(w.qkv.data),
+                    _ptr(w.qkv_bias),
+                    _ptr(w.o.data),
+                    _ptr(w.o_bias),
+                    _ptr(w.post_norm),
+                    _ptr(w.gate_up.data),
+                    _ptr(w.gate_up_bias),
+                    _ptr(w.down.data),
+                    _ptr(w.down_bias),
+                )  # fmt: skip
+                for w in layers
+            )
+        )
+        self._caches: tuple[list[int], ctypes.Array] | None = None
+
+    @staticmethod
+    def available(layers: list[LayerWeights]) -> bool:
+        """Every projection AMX-packed with whole 32-k blocks, and the library built for AMX."""
+        projections = [p for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)]
+        if not layers or not all(p.amx and p.in_features % AMX_BLOCK_K == 0 for p in projections):
+            return False
+        lib = native.load("decoder_cpu")
+        return lib is not None and lib.pdserve_decoder_layers_available() == 1
+
+    def _cache_pointers(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
+        pointers = [c.data_ptr() for c in kv_caches]
+        if self._caches is None or self._caches[0] != pointers:
+            # The kernel reads every layer with the first one's strides: views of one cache.
+            assert all(c.stride() == kv_caches[0].stride() for c in kv_caches)
+            self._caches = (pointers, (_P * len(pointers))(*pointers))
+        return self._caches[1]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the last MLP's output, the residual stream), or None where the batch does not apply."""
+        rows = hidden.shape[0]
+        if not 0 < rows <= AMX_MAX_ROWS or md.max_query_len > CPU_KERNEL_MAX_QUERY_LEN:
+            return None
+        if (
+            md.num_actual_tokens != rows
+            or hidden.dtype != torch.bfloat16
+            or not hidden.is_contiguous()
+        ):
+            return None
+        if residual is not None and not (
+            residual.dtype == torch.bfloat16 and residual.is_contiguous()
+        ):
+            return None
+        cache = kv_caches[0]
+        if cache.dtype != torch.bfloat16 or md.slot_mapping.dtype != torch.int64:
+            return None
+        if not backend.use_cpu_kernels(hidden.device) or len(kv_caches) != len(self.layers):
+            return None
+        fn = native.function(
+            "decoder_cpu", "pdserve_decoder_layers", _P, _P, _I64, ctypes.POINTER(_StackShape),
+            ctypes.POINTER(Geometry), _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _INT,
+        )  # fmt: skip
+        geometry = Geometry.of(
+            cache, md, self.num_heads, self.head_dim, 0, self.num_heads * self.head_dim,
+            self.shape.scale,
+        )  # fmt: skip
+        positions = positions.to(torch.int64).contiguous()
+        slot_mapping = md.slot_mapping.contiguous()
+        qsl = md.query_start_loc.to(torch.int32).contiguous()
+        seq_lens = md.seq_lens.to(torch.int32).contiguous()
+        hidden_out = torch.empty((rows, self.hidden), dtype=torch.bfloat16)
+        residual_out = torch.empty((rows, self.hidden), dtype=torch.bfloat16)
+        fn(
+            self.weights,
+            self._cache_pointers(kv_caches),
+            len(self.layers),
+            ctypes.byref(self.shape),
+            ctypes.byref(geometry),
+            hidden.data_ptr(),
+            _ptr(residual),
+            rows,
+            positions.data_ptr(),
+            self.cos_sin_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            md.block_table.data_ptr(),
+            qsl.data_ptr(),
+            seq_lens.data_ptr(),
+            md.num_reqs,
+            hidden_out.data_ptr(),
+            residual_out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return hidden_out, residual_out
