@@ -19,7 +19,7 @@ import httpx
 import openai
 
 PROMPTS = [
-    "What is the capital of France?",
+    "What is the capital of France? Answer in one sentence.",
     "Name three primary colors.",
     "Write one sentence about the ocean.",
 ]

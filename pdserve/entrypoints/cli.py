@@ -12,7 +12,7 @@ import time
 from pdserve.unsupported import UNSUPPORTED_FEATURES
 
 DEMO_PROMPTS = [
-    "What is the capital of France?",
+    "What is the capital of France? Answer in one sentence.",
     "Name three primary colors.",
     "Write one sentence about the ocean.",
 ]

@@ -9,10 +9,13 @@ from pdserve import LLM, SamplingParams
 
 
 def test_default_model_knows_paris():
+    # Asked "What is the capital of France?" alone, the model's first token is a near tie ("The"
+    # 0.08 above "L" in float32) that bf16 rounding decides either way (the AMX and oneDNN
+    # matmuls round differently); this wording keeps a margin of 0.86+ over its first 8 tokens.
     with LLM(max_model_len=512) as llm:
         assert llm.config.model_config.source.kind == "gguf"
         out = llm.chat(
-            [{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
             SamplingParams(max_tokens=24, temperature=0),
             use_tqdm=False,
         )
