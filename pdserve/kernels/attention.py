@@ -183,7 +183,7 @@ def paged_attention_cpu(
         query = query.contiguous()
     out = query.new_empty(md.num_actual_tokens, num_heads, head_dim)
     geometry = Geometry.of(kv_cache, md, num_heads, head_dim, query.stride(0), out.stride(0), scale)
-    qsl, seq_lens = _int32(md.query_start_loc), _int32(md.seq_lens)
+    qsl, seq_lens = as_int32(md.query_start_loc), as_int32(md.seq_lens)
     kernel(
         dtype,
         query.data_ptr(),
@@ -199,7 +199,7 @@ def paged_attention_cpu(
     return out
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
+def as_int32(t: torch.Tensor) -> torch.Tensor:
     """t as the kernels read it (itself where it already is: V2's tables are int32)."""
     return t.to(torch.int32).contiguous()
 
@@ -237,7 +237,7 @@ def rope_attention_cpu(
     slot_mapping = md.slot_mapping.contiguous()
     out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
     geometry = Geometry.of(kv_cache, md, num_heads, head_dim, 0, out.stride(0), scale)
-    qsl, seq_lens = _int32(md.query_start_loc), _int32(md.seq_lens)
+    qsl, seq_lens = as_int32(md.query_start_loc), as_int32(md.seq_lens)
     fn(
         qkv.data_ptr(),
         qkv.stride(0),

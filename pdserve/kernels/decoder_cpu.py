@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels import backend, native
-from pdserve.kernels.attention import CPU_KERNEL_MAX_QUERY_LEN, AttentionMetadata, Geometry
+from pdserve.kernels.attention import (
+    CPU_KERNEL_MAX_QUERY_LEN,
+    AttentionMetadata,
+    Geometry,
+    as_int32,
+)
 from pdserve.kernels.linear import AMX_BLOCK_K, AMX_MAX_ROWS, PackedWeight
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -62,10 +67,6 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return t.data_ptr() if t is not None else None
-
-
 class DecoderStack:
     """The layers of one pipeline stage, their pointers gathered once."""
 
@@ -89,16 +90,16 @@ class DecoderStack:
         self.weights = (_LayerWeights * len(layers))(
             *(
                 _LayerWeights(
-                    _ptr(w.input_norm),
-                    _ptr(w.qkv.data),
-                    _ptr(w.qkv_bias),
-                    _ptr(w.o.data),
-                    _ptr(w.o_bias),
-                    _ptr(w.post_norm),
-                    _ptr(w.gate_up.data),
-                    _ptr(w.gate_up_bias),
-                    _ptr(w.down.data),
-                    _ptr(w.down_bias),
+                    native.pointer(w.input_norm),
+                    native.pointer(w.qkv.data),
+                    native.pointer(w.qkv_bias),
+                    native.pointer(w.o.data),
+                    native.pointer(w.o_bias),
+                    native.pointer(w.post_norm),
+                    native.pointer(w.gate_up.data),
+                    native.pointer(w.gate_up_bias),
+                    native.pointer(w.down.data),
+                    native.pointer(w.down_bias),
                 )  # fmt: skip
                 for w in layers
             )
@@ -159,8 +160,7 @@ class DecoderStack:
         )  # fmt: skip
         positions = positions.to(torch.int64).contiguous()
         slot_mapping = md.slot_mapping.contiguous()
-        qsl = md.query_start_loc.to(torch.int32).contiguous()
-        seq_lens = md.seq_lens.to(torch.int32).contiguous()
+        qsl, seq_lens = as_int32(md.query_start_loc), as_int32(md.seq_lens)
         hidden_out = torch.empty((rows, self.hidden), dtype=torch.bfloat16)
         residual_out = torch.empty((rows, self.hidden), dtype=torch.bfloat16)
         fn(
@@ -170,7 +170,7 @@ class DecoderStack:
             ctypes.byref(self.shape),
             ctypes.byref(geometry),
             hidden.data_ptr(),
-            _ptr(residual),
+            native.pointer(residual),
             rows,
             positions.data_ptr(),
             self.cos_sin_cache.data_ptr(),

@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from pdserve import envs
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,11 @@ def load(name: str) -> ctypes.CDLL | None:
         detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
         logger.warning("CPU kernel %s unavailable, using the torch reference: %s", name, detail)
         return None
+
+
+def pointer(t: torch.Tensor | None) -> int | None:
+    """A kernel argument: the tensor's data, or NULL for an absent one (a bias)."""
+    return t.data_ptr() if t is not None else None
 
 
 @functools.cache

@@ -17,10 +17,6 @@ from pdserve.kernels.linear import AMX_BLOCK_K, AMX_MAX_ROWS, PackedWeight
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return t.data_ptr() if t is not None else None
-
-
 def _applies(x: torch.Tensor, residual: torch.Tensor | None, *weights: PackedWeight | None) -> bool:
     """bf16 rows of adjacent features, a decode-sized batch, AMX-packed weights whose K is whole
     32-k blocks."""
@@ -55,7 +51,7 @@ def norm_linear(
     out = torch.empty((rows, weight.out_features), dtype=torch.bfloat16)
     fn(
         x.data_ptr(),
-        _ptr(residual),
+        native.pointer(residual),
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
         norm_weight.data_ptr(),
@@ -64,7 +60,7 @@ def norm_linear(
         hidden,
         weight.data.data_ptr(),
         weight.out_features,
-        _ptr(bias),
+        native.pointer(bias),
         residual_out.data_ptr() if residual is not None else None,
         out.data_ptr(),
         torch.get_num_threads(),
@@ -103,10 +99,10 @@ def norm_mlp(
         rows,
         hidden,
         gate_up.data.data_ptr(),
-        _ptr(gate_up_bias),
+        native.pointer(gate_up_bias),
         down.in_features,
         down.data.data_ptr(),
-        _ptr(down_bias),
+        native.pointer(down_bias),
         residual_out.data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),
