@@ -1,8 +1,9 @@
 """Time to first token through a split deployment against one instance (issue 14's setup).
 
-Three measurements, one after the other on the same machine, each over the same --requests
-distinct prompts of --prompt-len token ids (no prefix is shared), streaming, --max-tokens
-tokens, one request at a time after --warmup requests:
+Three measurements, one after the other on the same machine, single and proxy over the same
+--requests distinct prompts of --prompt-len token ids (no prefix is shared), by hand over as many
+others (the proxy's run left its prompts in the prefill instance's prefix cache), streaming,
+--max-tokens tokens, one request at a time after --warmup requests:
 - single: `pdserve serve`, the client's first token;
 - proxy: `pdserve launch` (1 prefill, 1 decode, the proxy), the client's first token;
   with the medians of the parts its Server-Timing header gives;
@@ -132,7 +133,9 @@ def main() -> None:
     model_path = resolve_model(args.model, Path(tempfile.mkdtemp()))
     instance_args = ["--model", model_path, *(args.instance_args or ["--dtype", "float32"])]
     vocab = ModelConfig(model=model_path).vocab_size
-    prompts = _prompts(args.warmup + args.requests, args.prompt_len, vocab)
+    count = args.warmup + args.requests
+    every = _prompts(2 * count, args.prompt_len, vocab)
+    prompts, hand_prompts = every[:count], every[count:]
     results: dict[str, list[float]] = {}
 
     def measure(command: str, extra: list[str]) -> None:
@@ -149,7 +152,7 @@ def main() -> None:
             if command == "launch":
                 health = CLIENT.get(f"{url}/health").json()
                 prefill, decode = health["prefill"][0]["url"], health["decode"][0]["url"]
-                hand = [_by_hand(prefill, decode, model, p, args.max_tokens) for p in prompts]
+                hand = [_by_hand(prefill, decode, model, p, args.max_tokens) for p in hand_prompts]
                 results["by hand: prefill hop"] = [h[0] for h in hand[args.warmup :]]
                 results["by hand: decode first token"] = [h[1] for h in hand[args.warmup :]]
         finally:
