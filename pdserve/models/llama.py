@@ -23,7 +23,7 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from pdserve.kernels.attention import AttentionMetadata, rope_attention_cpu
-from pdserve.kernels.decoder_cpu import DecoderStack, LayerWeights
+from pdserve.kernels.decoder_cpu import DecoderStack
 from pdserve.kernels.norm_linear_cpu import norm_linear, norm_mlp
 from pdserve.models.layers.activation import SiluAndMul, check_gated_act
 from pdserve.models.layers.attention import Attention
@@ -228,31 +228,6 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-def _stack_weights(layer: nn.Module) -> LayerWeights | None:
-    """A layer's weights for the native decoder stack; None where it is not plain Llama with
-    AMX-packed projections on one TP rank."""
-    if not isinstance(layer, LlamaDecoderLayer) or not isinstance(layer.mlp, LlamaMLP):
-        return None
-    attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(attn, LlamaAttention) or attn.q_norm is not None or attn.o_proj.tp_size > 1:
-        return None
-    packed = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    if any(p.packed_weight is None for p in packed):
-        return None
-    return LayerWeights(
-        layer.input_layernorm.weight,
-        attn.qkv_proj.packed_weight,
-        attn.qkv_proj.bias,
-        attn.o_proj.packed_weight,
-        attn.o_proj.bias,
-        layer.post_attention_layernorm.weight,
-        mlp.gate_up_proj.packed_weight,
-        mlp.gate_up_proj.bias,
-        mlp.down_proj.packed_weight,
-        mlp.down_proj.bias,
-    )
-
-
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -294,31 +269,15 @@ class LlamaModel(nn.Module):
         self._stack_checked = False
 
     def _decoder_stack(self) -> DecoderStack | None:
-        """This stage's layers as one native call (kernels/decoder_cpu.py), gathered at the first
-        forward (after the weights were packed), or None where a layer is not plain Llama on
-        AMX: q/k norms, an MoE MLP, tensor parallelism, unpacked weights."""
-        if self._stack_checked:
-            return self._stack
-        self._stack_checked = True
-        layers = list(islice(self.layers, self.start_layer, self.end_layer))
-        weights = [_stack_weights(layer) for layer in layers]
-        if any(w is None for w in weights) or not DecoderStack.available(weights):
-            return None
-        attn = layers[0].self_attn
-        norms = [
-            n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
-        ]
-        if len({n.variance_epsilon for n in norms}) != 1:
-            return None
-        self._stack = DecoderStack(
-            weights,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            norms[0].variance_epsilon,
-            attn.attn.scale,
-            self.rotary_emb.cos_sin_cache,
-        )
+        """This stage's layers as one native call, gathered once at the first forward (after the
+        weights were packed); None where they do not qualify (models/llama_stack.py)."""
+        if not self._stack_checked:
+            self._stack_checked = True
+            # Imported here: llama_stack reads this module's layer classes.
+            from pdserve.models.llama_stack import build_decoder_stack
+
+            layers = list(islice(self.layers, self.start_layer, self.end_layer))
+            self._stack = build_decoder_stack(layers, self.rotary_emb.cos_sin_cache)
         return self._stack
 
     def forward(

@@ -43,7 +43,7 @@ int pdserve_decoder_layers_available() { return 1; }
 // hidden [m, hidden] in; residual null on the first stage (the first norm adds nothing). Out:
 // the last layer's MLP output and the residual stream, unsummed (the model's final norm adds
 // them). `caches[l]` is layer l's view, all with the strides of `g` (its stride_q_token unused).
-void pdserve_decoder_layers(const LayerWeights* layers, const T* const* caches, int64_t num_layers,
+void pdserve_decoder_layers(const LayerWeights* layers, T* const* caches, int64_t num_layers,
                             const StackShape* s, const Geometry* g, const T* hidden,
                             const T* residual, int64_t m, const int64_t* positions,
                             const T* cos_sin, const int64_t* slot_mapping,
@@ -70,7 +70,7 @@ void pdserve_decoder_layers(const LayerWeights* layers, const T* const* caches, 
       amx_norm_linear(x, stream.data(), d, d, w.input_norm, s->eps, m, d, w.qkv, qkv_size,
                       w.qkv_bias, stream.data(), qkv.data(), num_threads);
     }
-    rope_attend<BF16>(qkv.data(), qkv_size, positions, cos_sin, const_cast<T*>(caches[l]),
+    rope_attend<BF16>(qkv.data(), qkv_size, positions, cos_sin, caches[l],
                       slot_mapping, m, g->block_size, block_table, query_start_loc, seq_lens,
                       attended.data(), num_reqs, num_threads, *g);
     amx_linear(attended.data(), m, q_size, q_size, w.o, d, w.o_bias, projected.data(), d,
