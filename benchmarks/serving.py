@@ -29,8 +29,11 @@ HEALTH_TIMEOUT_S = 900
 STOP_GRACE_S = 10
 
 
-def launch_server(port: int, server_args: list[str], command: str = "serve") -> subprocess.Popen:
-    """`pdserve <command>` (serve, or launch for a split deployment behind its proxy)."""
+def launch_server(
+    port: int, server_args: list[str], command: str = "serve", env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`pdserve <command>` (serve, or launch for a split deployment behind its proxy), with `env`
+    added to this process's environment."""
     cmd = [
         sys.executable,
         "-m",
@@ -41,7 +44,7 @@ def launch_server(port: int, server_args: list[str], command: str = "serve") -> 
         *server_args,
     ]
     # Its own process group, so that stop_server reaches the workers the server starts too.
-    return subprocess.Popen(cmd, start_new_session=True)
+    return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True)
 
 
 def wait_healthy(proc: subprocess.Popen, base_url: str) -> None:

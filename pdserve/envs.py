@@ -112,6 +112,19 @@ def cpu_threads() -> int | None:
     return int(value)
 
 
+def core_board() -> tuple[Path, int] | None:
+    """PDSERVE_CORE_BOARD: 'PATH:SLOT', set by `pdserve launch` for the instances it starts on one
+    host: the board of executor/cpu_cores.py on which their CPU workers lend each other idle
+    cores, and the first slot of this instance (its ranks take SLOT, SLOT + 1, ...)."""
+    value = os.environ.get("PDSERVE_CORE_BOARD") or None
+    if value is None:
+        return None
+    path, _, slot = value.rpartition(":")
+    if not path or not slot.isdigit():
+        raise ValueError(f"PDSERVE_CORE_BOARD must be 'PATH:SLOT', got {value!r}.")
+    return Path(path), int(slot)
+
+
 def cache_dir() -> Path:
     """PDSERVE_CACHE_DIR: where built CPU kernels and compiled graphs are kept across runs
     (default ~/.cache/pdserve)."""

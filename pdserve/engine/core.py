@@ -17,6 +17,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.input_processor import check_prompt
 from pdserve.engine.messages import EngineCoreRequest
 from pdserve.executor.base import Executor
+from pdserve.executor.cpu_cores import instance_board
 from pdserve.kv_connector.factory import create_scheduler_connector
 from pdserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.request import RequestStatus
@@ -63,6 +64,7 @@ class EngineCore:
         self.last_step_scheduled = False
         # Steps submitted and not yet processed, newest first.
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self.cores = instance_board(config.parallel_config.world_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         mc = self.config.model_config
@@ -109,8 +111,13 @@ class EngineCore:
         return self.kv_connector.release_remote(request_id, params)
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.batch_queue_size > 1:
-            return self.step_with_batch_queue()
+        # While this instance has no requests, the others on its host may use its cores.
+        self.cores.mark(self.scheduler.has_unfinished_requests())
+        outputs = self.step_with_batch_queue() if self.batch_queue_size > 1 else self._step()
+        self.cores.mark(self.scheduler.has_unfinished_requests())
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         if not self._has_work():
             return []
         scheduler_output = self.scheduler.schedule()

@@ -18,10 +18,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from pdserve import envs
+from pdserve.executor.cpu_cores import create_board
 from pdserve.utils import get_open_port
 
 logger = logging.getLogger(__name__)
@@ -152,10 +154,15 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     model = ["--model", args.model] if args.model else []
-    # Instances on one host share its cores: each worker gets its share of torch threads.
+    # Instances on one host share its cores: each worker gets its share of torch threads, and
+    # borrows the shares of idle workers on the core board, unless PDSERVE_CPU_THREADS fixes them.
     num_workers = args.prefill * args.prefill_tp + args.decode * args.decode_tp
-    threads = str(max(1, (os.cpu_count() or 1) // num_workers))
+    threads = str(envs.cpu_threads() or max(1, (os.cpu_count() or 1) // num_workers))
+    board = None if envs.cpu_threads() else Path(f"/dev/shm/pdserve-cores-{os.getpid()}")
+    slot = 0
     try:
+        if board is not None:
+            create_board(board, num_workers)
         instances = {"prefill": [], "decode": []}
         for role, count, tp in (
             ("prefill", args.prefill, args.prefill_tp),
@@ -177,10 +184,15 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
                 env = {
                     "PDSERVE_SIDE_CHANNEL_HOST": args.host,
                     "PDSERVE_SIDE_CHANNEL_PORT": str(get_open_port()),
-                    "PDSERVE_CPU_THREADS": str(envs.cpu_threads() or threads),
+                    "PDSERVE_CPU_THREADS": threads,
                 }
+                if board is not None:
+                    env["PDSERVE_CORE_BOARD"] = f"{board}:{slot}"
+                    slot += tp
                 instances[role].append(launcher.spawn(f"{role}-{i}", serve, get_open_port(), env))
         launcher.wait_healthy(instances["prefill"] + instances["decode"], args.startup_timeout)
+        if board is not None:  # every instance has mapped it: nothing is left behind if we die
+            board.unlink()
         address = lambda c: c.url.removeprefix("http://")  # noqa: E731
         proxy = launcher.spawn(
             "proxy",
@@ -219,3 +231,5 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         launcher.stop()
+        if board is not None:
+            board.unlink(missing_ok=True)

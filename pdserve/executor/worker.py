@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -11,6 +10,7 @@ import torch.distributed as dist
 from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.distributed import parallel_state
+from pdserve.executor.cpu_cores import FixedThreads, cpu_threads
 from pdserve.kv_connector.base import KVConnectorWorker
 from pdserve.kv_connector.factory import create_worker_connector
 from pdserve.kv_connector.noop import NoKVConnectorWorker
@@ -36,10 +36,9 @@ class Worker:
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
+            self.threads = FixedThreads()
         else:
-            # The ranks of this node share its cores; more threads than cores only thrash.
-            world_size = config.parallel_config.world_size
-            torch.set_num_threads(envs.cpu_threads() or max(1, (os.cpu_count() or 1) // world_size))
+            self.threads = cpu_threads(config.parallel_config.world_size)
         if config.use_v2_model_runner:
             from pdserve.runners.v2.model_runner import ModelRunnerV2 as runner_cls
         else:
@@ -109,6 +108,7 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         connector = self.kv_connector
         connector.pre_forward(scheduler_output)
+        self.threads.before_step()
         output = self.model_runner.execute_model(scheduler_output)
         kv_output = connector.post_forward(scheduler_output)
         return output if kv_output is None else output.with_kv_connector_output(kv_output)

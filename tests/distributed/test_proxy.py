@@ -313,6 +313,22 @@ def test_duplicate_remote_request_id_fails_that_request(
     wait_all_pools_full(deployment)
 
 
+def test_launch_hands_its_instances_one_core_board(deployment: RemoteServer) -> None:
+    """Each instance gets its slot on one board (executor/cpu_cores.py), which the launcher
+    unlinked once they had mapped it: a killed launcher leaves no file behind."""
+    boards = []
+    for pid in descendants(deployment.proc.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+        if b"serve" in args and b"pdserve.entrypoints.cli" in args:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            boards.append(env[b"PDSERVE_CORE_BOARD"].decode().rpartition(":"))
+    assert sorted(slot for _, _, slot in boards) == ["0", "1"]
+    (path,) = {path for path, _, _ in boards}
+    assert path.startswith("/dev/shm/pdserve-cores-") and not os.path.exists(path)
+
+
 def _launch_pids(server: RemoteServer) -> list[int]:
     return [server.proc.pid, *descendants(server.proc.pid)]
 

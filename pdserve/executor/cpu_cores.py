@@ -1,0 +1,111 @@
+"""A CPU worker's torch threads, and the cores lent between instances that share a host.
+
+`pdserve launch` starts a prefill and a decode instance on one host and gives each worker its
+share of the cores, so that they do not oversubscribe them when both are busy. But a lone
+request then prefills on half the machine while the decode instance sits idle (SmolLM2 bf16, 380
+tokens on 2 cores: 250 ms through the split against 166 ms on one instance). So the launcher also
+hands its instances a core board: a shared file of one byte per worker, 1 while that worker's
+instance has requests. Each engine marks its instance's bytes when it gets work and when it runs
+out of it; before each step a worker runs on its share plus its part of the shares of the idle
+workers. An instance that gets work while its cores are lent does not wait: both run on them
+until the borrower's step ends, one step of oversubscription at most.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+from pdserve import envs
+
+
+class CoreBoard:
+    """One instance's view of the board: its workers' bytes, `first` to `first + count`."""
+
+    def __init__(self, path: Path, first: int, count: int) -> None:
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 0)
+        self.bytes = memoryview(self._map)
+        if first + count > len(self.bytes):
+            raise ValueError(
+                f"PDSERVE_CORE_BOARD: workers {first}..{first + count - 1} are not on the board "
+                f"of {path} ({len(self.bytes)} workers)."
+            )
+        self.mine = range(first, first + count)
+        self.busy = False
+
+    def mark(self, busy: bool) -> None:
+        """The engine: whether its instance has requests now."""
+        if busy != self.busy:
+            for i in self.mine:
+                self.bytes[i] = busy
+            self.busy = busy
+
+    def idle_elsewhere(self) -> int:
+        """Workers of other instances that have no requests."""
+        return sum(1 for i, busy in enumerate(self.bytes) if not busy and i not in self.mine)
+
+
+class NoCoreBoard:
+    """An instance alone on its cores (not started by `pdserve launch`, or a GPU one)."""
+
+    def mark(self, busy: bool) -> None:
+        return None
+
+
+def instance_board(world_size: int) -> CoreBoard | NoCoreBoard:
+    """This instance's part of PDSERVE_CORE_BOARD, if the launcher set one."""
+    board = envs.core_board()
+    return NoCoreBoard() if board is None else CoreBoard(board[0], board[1], world_size)
+
+
+def create_board(path: Path, workers: int) -> None:
+    """A board for `workers` workers, every one idle."""
+    path.write_bytes(bytes(workers))
+
+
+def _set_threads(threads: int) -> None:
+    import torch  # here, so that the launcher makes a board without loading torch
+
+    torch.set_num_threads(threads)
+
+
+class FixedThreads:
+    """Threads set once and never lent: a CPU worker's share, or a GPU worker's torch default."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads
+        if threads is not None:
+            _set_threads(threads)
+
+    def before_step(self) -> None:
+        return None
+
+
+class BorrowedThreads(FixedThreads):
+    """Its share, plus its part (one of `world_size` workers) of the idle workers' shares."""
+
+    def __init__(self, threads: int, board: CoreBoard, world_size: int) -> None:
+        super().__init__(threads)
+        self.share = threads
+        self.board = board
+        self.world_size = world_size
+        self.cores = os.cpu_count() or threads
+
+    def before_step(self) -> None:
+        lent = self.share * self.board.idle_elsewhere() // self.world_size
+        threads = min(self.cores, self.share + lent)
+        if threads != self.threads:
+            _set_threads(threads)
+            self.threads = threads
+
+
+def cpu_threads(world_size: int) -> FixedThreads:
+    """The threads of a CPU worker: PDSERVE_CPU_THREADS (default: this instance's ranks split the
+    host's cores), with the idle instances' on PDSERVE_CORE_BOARD when the launcher set one."""
+    threads = envs.cpu_threads() or max(1, (os.cpu_count() or 1) // world_size)
+    board = envs.core_board()
+    if board is None:
+        return FixedThreads(threads)
+    return BorrowedThreads(threads, CoreBoard(board[0], board[1], world_size), world_size)
