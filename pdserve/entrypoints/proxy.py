@@ -48,6 +48,12 @@ from pdserve.entrypoints.proxy_instances import (
     upstream_error,
 )
 from pdserve.entrypoints.proxy_prompt_logprobs import PromptLogprobs
+from pdserve.entrypoints.proxy_sse import (
+    as_stream,
+    error_event,
+    first_token_events,
+    without_first_token,
+)
 from pdserve.kv_connector.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
@@ -74,6 +80,8 @@ class PrefillLeg:
     answer: dict[str, Any] | None = None
     # The prompt's logprobs the client asked for, which the decode instance does not compute.
     prompt_logprobs: PromptLogprobs | None = None
+    # The prefill instance's one-token answer, when the KV is handed over.
+    hop_answer: dict[str, Any] | None = None
 
     @property
     def path(self) -> str:
@@ -85,25 +93,6 @@ class PrefillLeg:
     def header(self) -> str:
         """X-PD-Path's value."""
         return self.path if self.reason is None else f"local; reason={self.reason}"
-
-
-def _as_stream(answer: dict[str, Any], endpoint: str, include_usage: bool) -> list[str]:
-    """A whole answer as the SSE events a stream of it would have been."""
-    head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
-    events = []
-    if endpoint == "completions":
-        events.append({**head, "object": "text_completion", "choices": answer["choices"]})
-    else:
-        head["object"] = "chat.completion.chunk"
-        for c in answer["choices"]:
-            role = {"index": c["index"], "delta": {"role": "assistant", "content": ""}}
-            events.append({**head, "choices": [{**role, "finish_reason": None}]})
-            delta = {"content": (c.get("message") or {}).get("content") or ""}
-            rest = {k: v for k, v in c.items() if k not in ("message", "index")}
-            events.append({**head, "choices": [{"index": c["index"], "delta": delta, **rest}]})
-    if include_usage and "usage" in answer:
-        events.append({**head, "choices": [], "usage": answer["usage"]})
-    return [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
 
 
 def build_proxy_app(
@@ -235,9 +224,34 @@ def build_proxy_app(
             missing = ", ".join(params.missing_remote_fields()) or "do_remote_prefill"
             detail = f"{instance.url} answered kv_transfer_params without {missing}"
             return PrefillLeg(instance, reason="bad-kv-transfer-params", detail=detail)
-        return PrefillLeg(
-            instance, params, prompt_logprobs=PromptLogprobs.from_hop(body, answer, endpoint)
-        )
+        prompt_logprobs = PromptLogprobs.from_hop(body, answer, endpoint)
+        return PrefillLeg(instance, params, prompt_logprobs=prompt_logprobs, hop_answer=answer)
+
+    async def open_decode(instance: Instance, upstream: httpx.Request) -> httpx.Response:
+        """The decode leg's response, streamed; an error it answers or a failure to reach it is
+        raised as the client's error."""
+        try:
+            answer = await instance.client.send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            raise upstream_error(instance, e) from None
+        if answer.status_code != 200:
+            await answer.aread()
+            await answer.aclose()
+            raise forwarded_error(instance, answer)
+        return answer
+
+    async def passing(
+        instance: Instance, answer: httpx.Response, chunks: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        """The rest of a decode stream to the client. Cancelled when the client goes away:
+        closing the upstream aborts the decode request."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except httpx.HTTPError as e:
+            yield error_event(upstream_error(instance, e))
+        finally:
+            await answer.aclose()
 
     async def split(
         request: Request, request_id: str, body: dict[str, Any], endpoint: str, arrival: float
@@ -287,16 +301,17 @@ def build_proxy_app(
             if leg.instance is not None:
                 out_headers["X-PD-Prefill-Instance"] = leg.instance.url
 
+            def first_from_prefill_leg() -> str:
+                """Server-Timing of a response whose first token is the prefill instance's."""
+                proxy_s = time.perf_counter() - arrival - prefill_s
+                return _server_timing({"prefill_leg": prefill_s, "proxy": proxy_s})
+
             if leg.answer is not None:
-                prefill_only = {
-                    "prefill_leg": prefill_s,
-                    "proxy": time.perf_counter() - arrival - prefill_s,
-                }
-                out_headers["Server-Timing"] = _server_timing(prefill_only)
+                out_headers["Server-Timing"] = first_from_prefill_leg()
                 if not body.get("stream"):
                     return JSONResponse(leg.answer, headers=out_headers)
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                events = _as_stream(leg.answer, endpoint, include_usage)
+                events = as_stream(leg.answer, endpoint, include_usage)
                 return Response(
                     "".join(events), media_type="text/event-stream", headers=out_headers
                 )
@@ -306,15 +321,42 @@ def build_proxy_app(
             upstream = decode_instance.client.build_request(
                 "POST", f"/v1/{endpoint}", json=body, headers=headers
             )
+            if (
+                streaming
+                and leg.hop_answer is not None
+                and leg.prompt_logprobs is None
+                and body.get("n", 1) == 1
+                and not body.get("echo")
+            ):
+                # The prefill instance's token goes to the client now, before the decode leg;
+                # the decode instance's stream follows without it.
+                first = first_token_events(leg.hop_answer, endpoint)
+                out_headers["Server-Timing"] = first_from_prefill_leg()
+
+                async def relay_after_first() -> AsyncIterator[bytes]:
+                    try:
+                        yield first
+                        decode_start = time.perf_counter()
+                        try:
+                            answer = await open_decode(decode_instance, upstream)
+                        except OpenAIError as e:
+                            yield error_event(e)
+                            return
+                        timing_parts["decode_first_byte"].observe(
+                            time.perf_counter() - decode_start
+                        )
+                        chunks = without_first_token(answer.aiter_raw(), endpoint)
+                        async for chunk in passing(decode_instance, answer, chunks):
+                            yield chunk
+                    finally:
+                        in_flight.discard(request_id)
+
+                return StreamingResponse(
+                    relay_after_first(), media_type="text/event-stream", headers=out_headers
+                )
+
             decode_start = time.perf_counter()
-            try:
-                answer = await decode_instance.client.send(upstream, stream=True)
-            except httpx.HTTPError as e:
-                raise upstream_error(decode_instance, e) from None
-            if answer.status_code != 200:
-                await answer.aread()
-                await answer.aclose()
-                raise forwarded_error(decode_instance, answer)
+            answer = await open_decode(decode_instance, upstream)
             chunks = answer.aiter_raw()
             if streaming and leg.prompt_logprobs is not None:
                 chunks = leg.prompt_logprobs.fill_stream(chunks)
@@ -349,16 +391,12 @@ def build_proxy_app(
                 return Response(first, media_type="application/json", headers=out_headers)
 
             async def relay() -> AsyncIterator[bytes]:
-                # Cancelled when the client goes away: closing the upstream aborts the decode request.
                 try:
                     yield first
-                    async for chunk in chunks:
+                    async for chunk in passing(decode_instance, answer, chunks):
                         yield chunk
-                except httpx.HTTPError as e:
-                    yield f"data: {json.dumps(upstream_error(decode_instance, e).body())}\n\n".encode()
                 finally:
                     in_flight.discard(request_id)
-                    await answer.aclose()
 
             return StreamingResponse(relay(), media_type="text/event-stream", headers=out_headers)
         finally:

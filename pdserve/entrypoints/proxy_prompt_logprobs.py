@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.entrypoints.proxy_sse import edit_first_events
+
 
 @dataclass
 class PromptLogprobs:
@@ -73,26 +75,13 @@ class PromptLogprobs:
             lp["token_logprobs"][: len(values)] = values
             lp["top_logprobs"][: len(top)] = top
 
-    async def fill_stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    def fill_stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The stream's events, each choice's first chunk filled (the one with the echo); the
         rest go as they come once every choice has had its first."""
         pending = {i * self.n + c for i in self.echoed for c in range(self.n)}
-        buffer = b""
-        async for chunk in chunks:
-            if not pending:
-                yield chunk
-                continue
-            buffer += chunk
-            *events, buffer = buffer.split(b"\n\n")
-            out = b""
-            for event in events:
-                out += self._fill_event(event, pending) + b"\n\n"
-            if not pending:
-                out, buffer = out + buffer, b""
-            if out:
-                yield out
-        if buffer:
-            yield buffer
+        return edit_first_events(
+            chunks, lambda event: self._fill_event(event, pending), lambda: not pending
+        )
 
     def _fill_event(self, event: bytes, pending: set[int]) -> bytes:
         if not pending or not event.startswith(b"data: {"):

@@ -119,30 +119,41 @@ def test_strict_pd_refuses_the_local_path(servers: dict[str, RemoteServer], mode
         assert proxy.stop() == []
 
 
+@pytest.mark.parametrize("stream", [True, False])
 def test_server_timing_says_where_the_first_token_went(
-    split: RemoteServer, model: str, reference: list[int]
+    split: RemoteServer, model: str, reference: list[int], stream: bool
 ) -> None:
     """Its parts lie within the client's wait for the first token (how close they come to it
-    is benchmarks/pd_ttft.py's to show); the proxy's /metrics keeps them as histograms."""
+    is benchmarks/pd_ttft.py's to show); the proxy's /metrics keeps them as histograms. A
+    stream's first token is the prefill instance's, sent before the decode leg: its parts are
+    the proxy's and the prefill leg's, the decode instance's first byte only a histogram's."""
     proxy = split
-    observed = proxy.metric("pd_prefill_leg_seconds_count")
-    body = {**greedy_body(model, PROMPT, MAX_TOKENS), "stream": True}
+    observed = {
+        name: proxy.metric(f"pd_{name}_seconds_count")
+        for name in ("prefill_leg", "decode_first_byte")
+    }
+    body = {**greedy_body(model, PROMPT, MAX_TOKENS), "stream": stream}
     start = time.perf_counter()
     with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
+        first = next(line for line in lines if line.strip())
         waited_ms = (time.perf_counter() - start) * 1000
         rest = [line for line in lines if line.startswith("data: ")]
-    chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
-    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == reference
+    if stream:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest[:-1]]]
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == reference
+    else:
+        assert json.loads(first)["choices"][0]["token_ids"] == reference
     parts = {}
     for entry in resp.headers["Server-Timing"].split(", "):
         name, dur, desc = entry.split(";")
         assert desc.startswith('desc="')
         parts[name] = float(dur.removeprefix("dur="))
-    assert set(parts) == {"proxy", "prefill_leg", "decode_first_byte"}
+    expected = {"proxy", "prefill_leg"} | (set() if stream else {"decode_first_byte"})
+    assert set(parts) == expected
     assert all(ms >= 0 for ms in parts.values()) and sum(parts.values()) <= waited_ms
-    assert proxy.metric("pd_prefill_leg_seconds_count") == observed + 1
+    for name, count in observed.items():
+        assert proxy.metric(f"pd_{name}_seconds_count") == count + 1
 
 
 def _sse_tokens(resp: httpx.Response) -> tuple[list[int], list[str | None]]:
@@ -203,3 +214,48 @@ def test_min_tokens_forbids_a_first_stop_through_the_split(
     resp = httpx.post(f"{split.url}/v1/completions", json=body, timeout=60)
     assert resp.headers["X-PD-Path"] == "remote"
     assert resp.json()["choices"][0]["token_ids"] == expected
+
+
+def _events(url: str, endpoint: str, body: dict) -> list[dict]:
+    """A stream's events, without what differs between two servers' answers (id, created)."""
+    with httpx.stream("POST", f"{url}/v1/{endpoint}", json=body, timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    for event in events:
+        del event["id"], event["created"]
+    return events
+
+
+def _close(a: object, b: object) -> bool:
+    """Equal, but floats (logprobs: two instances compute them) within 1e-4."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-4
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_stream_through_the_split_is_a_single_instance_stream(
+    servers: dict[str, RemoteServer], split: RemoteServer, model: str, endpoint: str
+) -> None:
+    """The proxy sends the prefill instance's token as the stream's first events, the decode
+    instance's stream follows without its own copy of them: event for event what one instance
+    streams (chat's role chunk first), logprobs included, usage counting the token once."""
+    body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    if endpoint == "completions":
+        body |= {"prompt": PROMPT, "logprobs": 2}
+    else:
+        messages = [{"role": "user", "content": "Say something long."}]
+        body |= {"messages": messages, "logprobs": True, "top_logprobs": 2}
+    single = _events(servers["plain"].url, endpoint, body)
+    transfers = servers["decode"].metric("kv_transfers_total")
+    through = _events(split.url, endpoint, body)
+    assert servers["decode"].metric("kv_transfers_total") == transfers + 1
+    assert len(through) == len(single) == MAX_TOKENS + 1 + (endpoint != "completions")
+    assert _close(through, single), (through, single)

@@ -6,6 +6,7 @@ whose event loop is saturated)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -221,5 +222,33 @@ def test_a_decode_instance_that_recomputed_is_a_local_path_in_header_and_counter
                 line = 'pdserve:proxy_requests_total{path="local",reason="kv-load-failed"} 1.0'
                 assert line in metrics, metrics
                 assert 'path="remote"' not in metrics, metrics
+
+    asyncio.run(run())
+
+
+def test_a_stream_whose_decode_leg_fails_after_the_first_token_ends_with_an_error() -> None:
+    """The prefill instance's token went out before the decode leg began: the stream can no
+    longer be a 502, so it ends with an error event naming the decode instance."""
+
+    async def run() -> None:
+        params = (
+            '{"do_remote_prefill": true, "remote_engine_id": "p", "remote_request_id": "r", '
+            '"remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 1}'
+        )
+        hop = (
+            '{"id": "cmpl-r", "choices": [{"index": 0, "text": "a", "token_ids": [5], '
+            f'"finish_reason": "length"}}], "kv_transfer_params": {params}}}'
+        ).encode()
+        async with _answering_server(hop) as prefill:
+            decode = f"127.0.0.1:{_free_port()}"
+            async with _proxy_client(prefill, decode) as client:
+                body = {"prompt": "hi", "max_tokens": 4, "stream": True}
+                resp = await client.post("/v1/completions", json=body)
+                assert resp.status_code == 200 and resp.headers["X-PD-Path"] == "remote"
+                events = [e for e in resp.text.split("\n\n") if e]
+                first, error = (json.loads(e.removeprefix("data: ")) for e in events)
+                assert first["choices"][0]["text"] == "a"
+                assert first["choices"][0]["finish_reason"] is None
+                assert decode in error["error"]["message"], error
 
     asyncio.run(run())
