@@ -37,6 +37,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.proxy_instances import (
@@ -95,6 +96,18 @@ class PrefillLeg:
         return self.path if self.reason is None else f"local; reason={self.reason}"
 
 
+class _Arrival:
+    """Stamps each request when the server hands it over, before routing and the body's read:
+    Server-Timing's `proxy` part starts there."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["pdserve.arrival"] = time.perf_counter()
+        await self.app(scope, receive, send)
+
+
 def build_proxy_app(
     prefill: list[str], decode: list[str], timeout_s: float = 600.0, strict_pd: bool = False
 ) -> FastAPI:
@@ -131,6 +144,7 @@ def build_proxy_app(
             await pool.close()
 
     app = FastAPI(lifespan=lifespan)
+    app.add_middleware(_Arrival)
     # X-Request-Ids of the requests being served: one names both hops of its request, so a
     # second request in flight under the same id is refused before it reaches an instance.
     in_flight: set[str] = set()
@@ -140,7 +154,7 @@ def build_proxy_app(
         return JSONResponse(e.body(), status_code=e.status)
 
     async def handle(request: Request, endpoint: str) -> Response:
-        arrival = time.perf_counter()
+        arrival = request.scope["pdserve.arrival"]
         try:
             body = json.loads(await request.body())
         except ValueError as e:
