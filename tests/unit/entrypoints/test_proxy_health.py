@@ -169,6 +169,21 @@ async def _answering_server(body: bytes, header: bytes = b"") -> AsyncIterator[s
         server.close()
 
 
+# kv_transfer_params a decode instance can read with.
+READABLE = (
+    '{"do_remote_prefill": true, "remote_engine_id": "p", "remote_request_id": "r", '
+    '"remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 1}'
+)
+
+
+def _hop_answer(params: str) -> bytes:
+    """A prefill instance's one-token answer with these kv_transfer_params."""
+    return (
+        '{"id": "cmpl-r", "choices": [{"index": 0, "text": "a", "token_ids": [5], '
+        f'"finish_reason": "length"}}], "kv_transfer_params": {params}}}'
+    ).encode()
+
+
 @pytest.mark.parametrize(
     ("params", "named"),
     [
@@ -178,11 +193,7 @@ async def _answering_server(body: bytes, header: bytes = b"") -> AsyncIterator[s
 )
 def test_kv_transfer_params_a_read_cannot_use_are_a_named_fallback(params: str, named: str) -> None:
     async def run() -> None:
-        answer = (
-            '{"choices": [{"index": 0, "text": "a", "finish_reason": "length"}], '
-            f'"kv_transfer_params": {params}}}'
-        ).encode()
-        async with _answering_server(answer) as prefill:
+        async with _answering_server(_hop_answer(params)) as prefill:
             decode = f"127.0.0.1:{_free_port()}"
             async with _proxy_client(prefill, decode, strict_pd=True) as client:
                 resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
@@ -203,14 +214,7 @@ def test_a_decode_instance_that_recomputed_is_a_local_path_in_header_and_counter
     X-PD-Path; the proxy's response and counter say local, kv-load-failed, not remote."""
 
     async def run() -> None:
-        params = (
-            '{"do_remote_prefill": true, "remote_engine_id": "p", "remote_request_id": "r", '
-            '"remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 1}'
-        )
-        hop = (
-            '{"choices": [{"index": 0, "text": "a", "finish_reason": "length"}], '
-            f'"kv_transfer_params": {params}}}'
-        ).encode()
+        hop = _hop_answer(READABLE)
         answer = b'{"choices": [{"index": 0, "text": "abc", "finish_reason": "length"}]}'
         recomputed = b"x-pd-path: local; reason=kv-load-failed\r\n"
         async with _answering_server(hop) as prefill, _answering_server(answer, recomputed) as d:
@@ -231,15 +235,7 @@ def test_a_stream_whose_decode_leg_fails_after_the_first_token_ends_with_an_erro
     longer be a 502, so it ends with an error event naming the decode instance."""
 
     async def run() -> None:
-        params = (
-            '{"do_remote_prefill": true, "remote_engine_id": "p", "remote_request_id": "r", '
-            '"remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 1}'
-        )
-        hop = (
-            '{"id": "cmpl-r", "choices": [{"index": 0, "text": "a", "token_ids": [5], '
-            f'"finish_reason": "length"}}], "kv_transfer_params": {params}}}'
-        ).encode()
-        async with _answering_server(hop) as prefill:
+        async with _answering_server(_hop_answer(READABLE)) as prefill:
             decode = f"127.0.0.1:{_free_port()}"
             async with _proxy_client(prefill, decode) as client:
                 body = {"prompt": "hi", "max_tokens": 4, "stream": True}
