@@ -108,7 +108,7 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         connector = self.kv_connector
         connector.pre_forward(scheduler_output)
-        self.threads.before_step()
+        self.threads.before_step(scheduler_output)
         output = self.model_runner.execute_model(scheduler_output)
         kv_output = connector.post_forward(scheduler_output)
         return output if kv_output is None else output.with_kv_connector_output(kv_output)

@@ -12,6 +12,17 @@ import torch
 
 from pdserve import LLM, SamplingParams, envs
 from pdserve.executor.cpu_cores import CoreBoard, FixedThreads, cpu_threads, create_board
+from pdserve.scheduler.output import CachedRequestData, SchedulerOutput
+
+
+def step(tokens: dict[str, int]) -> SchedulerOutput:
+    """A step that computes these tokens of these requests (only what the threads look at)."""
+    cached = CachedRequestData.make_empty()
+    return SchedulerOutput([], cached, tokens, sum(tokens.values()), set())
+
+
+PREFILL = step({"a": 300, "b": 1})  # a prefill chunk beside a decode
+DECODE = step({"a": 1, "b": 1})
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +69,7 @@ def test_without_a_board_the_threads_are_fixed(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("PDSERVE_CPU_THREADS", "1")
     threads = cpu_threads(world_size=1)
     assert type(threads) is FixedThreads and torch.get_num_threads() == 1
-    threads.before_step()
+    threads.before_step(PREFILL)
     assert torch.get_num_threads() == 1
 
 
@@ -71,13 +82,15 @@ def test_a_worker_borrows_the_share_of_an_idle_instance_only(
     monkeypatch.setenv("PDSERVE_CPU_THREADS", "1")
     monkeypatch.setenv("PDSERVE_CORE_BOARD", f"{path}:1")
     threads, other = cpu_threads(world_size=1), CoreBoard(path, 0, 1)
-    threads.before_step()
+    threads.before_step(PREFILL)
     assert torch.get_num_threads() == 2
+    threads.before_step(DECODE)
+    assert torch.get_num_threads() == 1, "a decode step runs on its share"
     other.mark(True)
-    threads.before_step()
+    threads.before_step(PREFILL)
     assert torch.get_num_threads() == 1
     other.mark(False)
-    threads.before_step()
+    threads.before_step(PREFILL)
     assert torch.get_num_threads() == 2
 
 
@@ -93,10 +106,10 @@ def test_the_workers_of_an_instance_split_what_they_borrow(
     monkeypatch.setenv("PDSERVE_CORE_BOARD", f"{path}:2")
     threads = cpu_threads(world_size=2)
     threads.cores = 8
-    threads.before_step()
+    threads.before_step(PREFILL)
     assert torch.get_num_threads() == 2
     threads.cores = 1
-    threads.before_step()
+    threads.before_step(PREFILL)
     assert torch.get_num_threads() == 1
 
 
@@ -110,8 +123,11 @@ def test_the_engine_marks_its_instance_and_its_worker_borrows(
     other = CoreBoard(board, 1, 2)  # another instance on this host, TP=2
     with LLM(model=tiny_model("llama"), dtype="float32", max_model_len=128) as llm:
         params = SamplingParams(max_tokens=4, temperature=0)
-        llm.generate("Hello", params, use_tqdm=False)
+        prompt = {"prompt_token_ids": list(range(3, 40))}
+        llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
         assert torch.get_num_threads() == 2, "1 + the 2 idle workers' shares, at most 2 cores"
+        llm.generate("Hello", params, use_tqdm=False)
+        assert torch.get_num_threads() == 1, "its last step decoded: its share"
         assert board.read_bytes()[0] == 0, "no request left: idle"
 
         llm._add_request("Hello", params)
@@ -122,6 +138,6 @@ def test_the_engine_marks_its_instance_and_its_worker_borrows(
         assert board.read_bytes()[0] == 0
 
         other.mark(True)
-        out = llm.generate("Hello", params, use_tqdm=False)
+        another = {"prompt_token_ids": list(range(50, 90))}  # no prefix hit: a prefill step
+        llm.generate(another, SamplingParams(max_tokens=1), use_tqdm=False)
         assert torch.get_num_threads() == 1, "the other instance is busy: its own share"
-        assert len(out[0].outputs[0].token_ids) == 4
