@@ -10,6 +10,10 @@ out of it; before a step that prefills, a worker runs on its share plus its part
 idle workers. An instance that gets work while its cores are lent does not wait: both run on
 them until the borrower's step ends, one step of oversubscription at most.
 
+A step borrows only for enough prefill work to pay for a second thread: one that has slept
+while its instance was idle takes up to 20 ms to be running beside the first again here
+(a tiny model's 380-token prefill: 4 ms warm, 11-25 ms on a second thread just woken), so
+the prefill must be worth tens of ms on one thread (_MIN_BORROWED_FLOPS: SmolLM2's 47 tokens).
 Decode-only steps run on their share. A decode instance that borrowed the prefill instance's
 idle core held it through each step in which a request arrived there: under load (SmolLM2,
 48 chat requests at 4/s, benchmarks/pd_serving.py) its inter-token latency p99 went from 96 to
@@ -26,6 +30,8 @@ from typing import TYPE_CHECKING
 from pdserve import envs
 
 if TYPE_CHECKING:
+    import torch
+
     from pdserve.scheduler.output import SchedulerOutput
 
 
@@ -80,6 +86,10 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+# About 30 ms of one AMX thread's prefill here (SmolLM2: 80 GFLOP in 250 ms).
+_MIN_BORROWED_FLOPS = 1e10
+
+
 class FixedThreads:
     """Threads set once and never lent: a CPU worker's share, or a GPU worker's torch default."""
 
@@ -87,6 +97,9 @@ class FixedThreads:
         self.threads = threads
         if threads is not None:
             _set_threads(threads)
+
+    def model_loaded(self, model: torch.nn.Module) -> None:
+        return None
 
     def before_step(self, scheduler_output: SchedulerOutput) -> None:
         return None
@@ -101,11 +114,20 @@ class BorrowedThreads(FixedThreads):
         self.board = board
         self.world_size = world_size
         self.cores = os.cpu_count() or threads
+        self.flops_per_token = 0
+
+    def model_loaded(self, model: torch.nn.Module) -> None:
+        """A token's forward costs about two FLOPs per weight of the decoder layers (the
+        embedding is a lookup, the LM head runs for the sampled rows only)."""
+        weights = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
+        self.flops_per_token = 2 * weights
 
     def before_step(self, scheduler_output: SchedulerOutput) -> None:
         threads = self.share
-        # A step that prefills has more tokens than requests (a decode step has one each).
-        if scheduler_output.total_num_scheduled_tokens > len(scheduler_output.num_scheduled_tokens):
+        # A decode step has one token per request: the rest are prompt tokens.
+        so = scheduler_output
+        prefill_tokens = so.total_num_scheduled_tokens - len(so.num_scheduled_tokens)
+        if prefill_tokens * self.flops_per_token > _MIN_BORROWED_FLOPS:
             lent = self.share * self.board.idle_elsewhere() // self.world_size
             threads = min(self.cores, self.share + lent)
         if threads != self.threads:

@@ -79,6 +79,7 @@ class Worker:
     def load_model(self) -> None:
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner.load_model()
+        self.threads.model_loaded(self.model_runner.model)
 
     def determine_num_blocks(self) -> int:
         override = self.config.cache_config.num_gpu_blocks_override

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams, envs
+from pdserve.executor import cpu_cores
 from pdserve.executor.cpu_cores import CoreBoard, FixedThreads, cpu_threads, create_board
 from pdserve.scheduler.output import CachedRequestData, SchedulerOutput
 
@@ -21,8 +22,24 @@ def step(tokens: dict[str, int]) -> SchedulerOutput:
     return SchedulerOutput([], cached, tokens, sum(tokens.values()), set())
 
 
-PREFILL = step({"a": 300, "b": 1})  # a prefill chunk beside a decode
+PREFILL = step({"a": 2000, "b": 1})  # a prefill chunk beside a decode
+SMALL_PREFILL = step({"a": 100})
 DECODE = step({"a": 1, "b": 1})
+
+
+def decoder(width: int) -> torch.nn.Module:
+    """The weights of a model with one decoder layer, width x width (never allocated)."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList(
+        [torch.nn.Linear(width, width, bias=False, device="meta")]
+    )
+    return model
+
+
+# 2 x 2048^2 FLOPs per token: PREFILL's 1999 prompt tokens are worth a second thread
+# (_MIN_BORROWED_FLOPS, 1190 tokens), SMALL_PREFILL's 99 are not.
+MODEL = decoder(2048)
 
 
 @pytest.fixture(autouse=True)
@@ -82,10 +99,13 @@ def test_a_worker_borrows_the_share_of_an_idle_instance_only(
     monkeypatch.setenv("PDSERVE_CPU_THREADS", "1")
     monkeypatch.setenv("PDSERVE_CORE_BOARD", f"{path}:1")
     threads, other = cpu_threads(world_size=1), CoreBoard(path, 0, 1)
+    threads.model_loaded(MODEL)
     threads.before_step(PREFILL)
     assert torch.get_num_threads() == 2
     threads.before_step(DECODE)
     assert torch.get_num_threads() == 1, "a decode step runs on its share"
+    threads.before_step(SMALL_PREFILL)
+    assert torch.get_num_threads() == 1, "too little work to wake a second thread for"
     other.mark(True)
     threads.before_step(PREFILL)
     assert torch.get_num_threads() == 1
@@ -105,6 +125,7 @@ def test_the_workers_of_an_instance_split_what_they_borrow(
     monkeypatch.setenv("PDSERVE_CPU_THREADS", "1")
     monkeypatch.setenv("PDSERVE_CORE_BOARD", f"{path}:2")
     threads = cpu_threads(world_size=2)
+    threads.model_loaded(MODEL)
     threads.cores = 8
     threads.before_step(PREFILL)
     assert torch.get_num_threads() == 2
@@ -117,7 +138,9 @@ def test_the_workers_of_an_instance_split_what_they_borrow(
 def test_the_engine_marks_its_instance_and_its_worker_borrows(
     board: Path, tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In one process (the uniproc executor): the engine's marks, the worker's threads."""
+    """In one process (the uniproc executor): the engine's marks, the worker's threads. The
+    tiny model's prefills are worth a second thread only with no floor."""
+    monkeypatch.setattr(cpu_cores, "_MIN_BORROWED_FLOPS", 0)
     monkeypatch.setenv("PDSERVE_CPU_THREADS", "1")
     monkeypatch.setenv("PDSERVE_CORE_BOARD", f"{board}:0")
     other = CoreBoard(board, 1, 2)  # another instance on this host, TP=2
