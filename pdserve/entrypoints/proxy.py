@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -40,10 +40,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.proxy_instances import (
+    Instance,
     InstancePool,
     check_forever,
-    open_stream,
-    stream_rest,
+    forwarded_error,
     upstream_error,
 )
 from pdserve.entrypoints.proxy_prefill_leg import prefill_leg
@@ -156,6 +156,32 @@ def build_proxy_app(
             for name, seconds in parts.items()
         )
 
+    async def open_decode(instance: Instance, upstream: httpx.Request) -> httpx.Response:
+        """The decode leg's response, streamed; an error it answers or a failure to reach it is
+        raised as the client's error."""
+        try:
+            answer = await instance.client.send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            raise upstream_error(instance, e) from None
+        if answer.status_code != 200:
+            await answer.aread()
+            await answer.aclose()
+            raise forwarded_error(instance, answer)
+        return answer
+
+    async def passing(
+        instance: Instance, answer: httpx.Response, chunks: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        """The rest of a decode stream to the client. Cancelled when the client goes away:
+        closing the upstream aborts the decode request."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except httpx.HTTPError as e:
+            yield error_event(upstream_error(instance, e))
+        finally:
+            await answer.aclose()
+
     async def split(
         request: Request, request_id: str, body: dict[str, Any], endpoint: str, arrival: float
     ) -> Response:
@@ -241,7 +267,7 @@ def build_proxy_app(
                         yield first
                         decode_start = time.perf_counter()
                         try:
-                            answer = await open_stream(decode_instance, upstream)
+                            answer = await open_decode(decode_instance, upstream)
                         except OpenAIError as e:
                             yield error_event(e)
                             return
@@ -249,9 +275,8 @@ def build_proxy_app(
                             time.perf_counter() - decode_start
                         )
                         chunks = without_first_token(answer.aiter_raw(), endpoint)
-                        async with aclosing(stream_rest(decode_instance, answer, chunks)) as rest:
-                            async for chunk in rest:
-                                yield chunk
+                        async for chunk in passing(decode_instance, answer, chunks):
+                            yield chunk
                     finally:
                         in_flight.discard(request_id)
 
@@ -260,7 +285,7 @@ def build_proxy_app(
                 )
 
             decode_start = time.perf_counter()
-            answer = await open_stream(decode_instance, upstream)
+            answer = await open_decode(decode_instance, upstream)
             chunks = answer.aiter_raw()
             if streaming and leg.prompt_logprobs is not None:
                 chunks = leg.prompt_logprobs.fill_stream(chunks)
@@ -297,9 +322,8 @@ def build_proxy_app(
             async def relay() -> AsyncIterator[bytes]:
                 try:
                     yield first
-                    async with aclosing(stream_rest(decode_instance, answer, chunks)) as rest:
-                        async for chunk in rest:
-                            yield chunk
+                    async for chunk in passing(decode_instance, answer, chunks):
+                        yield chunk
                 finally:
                     in_flight.discard(request_id)
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.proxy_sse import error_event
 
 logger = logging.getLogger(__name__)
 
@@ -117,34 +115,6 @@ def forwarded_error(instance: Instance, resp: httpx.Response) -> OpenAIError:
     # A client's mistake stays the client's; anything else is the upstream's failure.
     status = resp.status_code if resp.status_code < 500 else 502
     return OpenAIError(status, f"{instance.role} instance {instance.url}: {message}")
-
-
-async def open_stream(instance: Instance, upstream: httpx.Request) -> httpx.Response:
-    """An instance's response to `upstream`, streamed; an error it answers or a failure to reach
-    it is raised as the client's error."""
-    try:
-        answer = await instance.client.send(upstream, stream=True)
-    except httpx.HTTPError as e:
-        raise upstream_error(instance, e) from None
-    if answer.status_code != 200:
-        await answer.aread()
-        await answer.aclose()
-        raise forwarded_error(instance, answer)
-    return answer
-
-
-async def stream_rest(
-    instance: Instance, answer: httpx.Response, chunks: AsyncIterator[bytes]
-) -> AsyncIterator[bytes]:
-    """The rest of an instance's stream, a failure to read it as an error event. Its caller
-    closes it when the client goes away: closing the upstream aborts the instance's request."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except httpx.HTTPError as e:
-        yield error_event(upstream_error(instance, e))
-    finally:
-        await answer.aclose()
 
 
 async def check_forever(pools: list[InstancePool]) -> None:

@@ -52,7 +52,7 @@ async def _proxy_client(
         yield client
 
 
-def _instance(address: str) -> proxy_instances.Instance:
+def _instance(address: str) -> proxy.Instance:
     return proxy_instances.Instance(
         "decode", f"http://{address}", httpx.AsyncClient(base_url=f"http://{address}")
     )
