@@ -139,7 +139,7 @@ def cpu_threads(world_size: int) -> FixedThreads:
     """The threads of a CPU worker: PDSERVE_CPU_THREADS (default: this instance's ranks split the
     host's cores), with the idle instances' on PDSERVE_CORE_BOARD when the launcher set one."""
     threads = envs.cpu_threads() or max(1, (os.cpu_count() or 1) // world_size)
-    board = envs.core_board()
-    if board is None:
+    board = instance_board(world_size)
+    if isinstance(board, NoCoreBoard):
         return FixedThreads(threads)
-    return BorrowedThreads(threads, CoreBoard(board[0], board[1], world_size), world_size)
+    return BorrowedThreads(threads, board, world_size)
