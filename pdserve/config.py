@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pdserve import envs
+from pdserve.kv_events_config import KVEventsConfig
 from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.model_config import ModelConfig
 from pdserve.unsupported import UNSUPPORTED_FEATURES
@@ -99,6 +100,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer_config: KVTransferConfig | dict[str, Any] | None = None
+    kv_events_config: KVEventsConfig | dict[str, Any] | None = None
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -114,6 +116,8 @@ class EngineConfig:
                     "kv_transfer_config with pipeline_parallel_size > 1 is not supported yet: "
                     "the connector reads whole blocks of every layer from one worker."
                 )
+        if self.kv_events_config is not None:
+            self.kv_events_config = KVEventsConfig.from_any(self.kv_events_config)
         if self.use_v2_model_runner:
             self._validate_v2_model_runner()
 
@@ -268,5 +272,6 @@ _ENGINE_ARG_OWNERS: dict[str, type] = {
     **{n: SchedulerConfig for n in SchedulerConfig.__dataclass_fields__},
     **{n: ParallelConfig for n in ParallelConfig.__dataclass_fields__},
     "kv_transfer_config": EngineConfig,
+    "kv_events_config": EngineConfig,
     "device": EngineConfig,
 }

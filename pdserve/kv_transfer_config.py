@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pdserve.validation import check_choice
+from pdserve.validation import check_choice, config_from_dict
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
@@ -111,17 +111,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_any(cls, value: KVTransferConfig | dict[str, Any]) -> KVTransferConfig:
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be an object, got {type(value).__name__}.")
-        unknown = set(value) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(
-                f"kv_transfer_config has unknown keys {sorted(unknown)}; known: "
-                f"{sorted(cls.__dataclass_fields__)}."
-            )
-        return cls(**value)
+        return config_from_dict(cls, "kv_transfer_config", value)
 
     def _extra(self, key: str, default: Any) -> Any:
         return self.kv_connector_extra_config.get(key, default)

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from pdserve.config import EngineConfig
+from pdserve.distributed.kv_events import make_event_publisher, new_batch
 from pdserve.engine.input_processor import check_prompt
 from pdserve.engine.messages import EngineCoreRequest
 from pdserve.executor.base import Executor
@@ -51,6 +52,12 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        try:
+            self.kv_events = make_event_publisher(config.kv_events_config)
+        except BaseException:
+            self.executor.shutdown()
+            self.kv_connector.shutdown()
+            raise
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
@@ -58,6 +65,7 @@ class EngineCore:
             self.num_blocks,
             config.use_v2_model_runner,
             kv_connector=self.kv_connector,
+            enable_kv_cache_events=self.kv_events.publishes,
         )
         self.batch_queue_size = self.executor.max_concurrent_batches
         # False when the last step had nothing to compute (only transfers to poll).
@@ -103,7 +111,14 @@ class EngineCore:
         return self.scheduler.make_stats(), self.kv_connector.get_stats()
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
+
+    def _publish_kv_events(self) -> None:
+        events = self.scheduler.take_kv_cache_events()
+        if events:
+            self.kv_events.publish(new_batch(events))
 
     def release_remote_kv(self, request_id: str, params: KVTransferParams) -> bool:
         """Let a prefill instance free the KV a request here will never read; False when this
@@ -114,6 +129,7 @@ class EngineCore:
         # While this instance has no requests, the others on its host may use its cores.
         self.cores.mark(self.scheduler.has_unfinished_requests())
         outputs = self.step_with_batch_queue() if self.batch_queue_size > 1 else self._step()
+        self._publish_kv_events()
         self.cores.mark(self.scheduler.has_unfinished_requests())
         return outputs
 
@@ -153,3 +169,4 @@ class EngineCore:
         self.batch_queue.clear()
         self.executor.shutdown()
         self.kv_connector.shutdown()
+        self.kv_events.shutdown()

@@ -57,6 +57,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='KV connector settings as JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\'',
     )
+    parser.add_argument(
+        "--kv-events-config",
+        type=_json_object,
+        default=None,
+        help="KV cache events for cache-aware routers, as JSON (vLLM's keys), e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (docs/kv_events.md)',
+    )
     # vLLM's flags for what pdserve does not implement: parsed, so that the configuration says
     # which feature is missing rather than argparse calling the flag unknown.
     for f in UNSUPPORTED_FEATURES.values():
@@ -96,6 +104,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "enforce_eager",
         "served_model_name",
         "kv_transfer_config",
+        "kv_events_config",
     ]
     return {n: getattr(args, n) for n in [*names, *UNSUPPORTED_FEATURES]}
 

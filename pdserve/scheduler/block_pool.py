@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from pdserve.distributed.kv_events import (
+    MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    external_block_hash,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +118,16 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """All KV cache blocks of one instance; block 0 is the null block and is never handed out."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool,
+        block_size: int = 16,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
         assert num_blocks >= 2, "one block is the null block; at least one more is needed"
         self.num_blocks = num_blocks
+        self.block_size = block_size
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
@@ -121,6 +137,8 @@ class BlockPool:
         # One block per hash: a block recomputed under a hash that is already cached stays
         # uncached (see cache_full_blocks), so the index never needs more than one entry.
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        # What entered and left the prefix cache since the last take_events(); None: not kept.
+        self.events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -131,10 +149,13 @@ class BlockPool:
         blocks: list[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        token_ids: Sequence[int] = (),
     ) -> None:
-        """Index blocks[num_cached_blocks:num_full_blocks], which have just become full."""
+        """Index blocks[num_cached_blocks:num_full_blocks], which have just become full;
+        `token_ids` (the request's) only feed the block-stored events."""
         assert len(block_hashes) >= num_full_blocks
         index = self.cached_block_hash_to_block
+        stored: list[int] = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             assert block.block_hash is None, f"block {block.block_id} is already cached"
@@ -145,6 +166,34 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             index[block_hash] = block
+            stored.append(i)
+        if self.events is not None and stored:
+            self._stored_events(block_hashes, stored, token_ids)
+
+    def _stored_events(
+        self, block_hashes: list[bytes], stored: list[int], token_ids: Sequence[int]
+    ) -> None:
+        """One BlockStored per unbroken run of newly indexed blocks: a duplicate skipped in the
+        middle was already announced, and a run names its own parent."""
+        size = self.block_size
+        run_start = 0
+        for j in range(1, len(stored) + 1):
+            if j < len(stored) and stored[j] == stored[j - 1] + 1:
+                continue
+            first, last = stored[run_start], stored[j - 1]
+            self.events.append(  # type: ignore[union-attr]
+                BlockStored(
+                    block_hashes=[external_block_hash(h) for h in block_hashes[first : last + 1]],
+                    parent_block_hash=(
+                        external_block_hash(block_hashes[first - 1]) if first else None
+                    ),
+                    token_ids=list(token_ids[first * size : (last + 1) * size]),
+                    block_size=size,
+                    lora_id=None,
+                    medium=MEDIUM,
+                )
+            )
+            run_start = j
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         blocks = self.free_block_queue.popleft_n(num_blocks)
@@ -160,6 +209,12 @@ class BlockPool:
         assert block.block_hash is not None
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.events is not None:
+                self.events.append(
+                    BlockRemoved(
+                        block_hashes=[external_block_hash(block.block_hash)], medium=MEDIUM
+                    )
+                )
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -198,5 +253,15 @@ class BlockPool:
         self.cached_block_hash_to_block = {}
         for block in self.blocks:
             block.block_hash = None
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         logger.info("Prefix cache reset.")
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call ([] when events are off)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events

@@ -9,12 +9,17 @@ from pdserve.scheduler.kv_cache_utils import request_block_hasher
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, block_size, enable_kv_cache_events)
         self.block_hasher = request_block_hasher(block_size)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already in the prefix cache (or were
@@ -111,7 +116,11 @@ class KVCacheManager:
             if num_full_blocks > num_cached_blocks and not delay_cache_blocks:
                 self.block_hasher(request)
                 self.block_pool.cache_full_blocks(
-                    request.block_hashes, req_blocks, num_cached_blocks, num_full_blocks
+                    request.block_hashes,
+                    req_blocks,
+                    num_cached_blocks,
+                    num_full_blocks,
+                    request.all_token_ids,
                 )
                 self.num_cached_block[req_id] = num_cached_blocks = num_full_blocks
             next_full_block = (num_cached_blocks + 1) * block_size
@@ -162,7 +171,11 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks[req_id]
         self.block_hasher(request)
         self.block_pool.cache_full_blocks(
-            request.block_hashes, req_blocks, num_cached_blocks, num_full_blocks
+            request.block_hashes,
+            req_blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            request.all_token_ids,
         )
         self.num_cached_block[req_id] = num_full_blocks
         request.next_kv_boundary = min(

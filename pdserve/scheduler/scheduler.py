@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.distributed.kv_events import KVCacheEvent
 from pdserve.kv_connector.base import KVConnectorScheduler
 from pdserve.kv_connector.noop import NoKVConnectorScheduler
 from pdserve.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
@@ -54,6 +55,7 @@ class Scheduler:
         num_blocks: int,
         use_v2_model_runner: bool,
         kv_connector: KVConnectorScheduler | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.max_model_len = max_model_len
         self.use_v2_model_runner = use_v2_model_runner
@@ -67,7 +69,11 @@ class Scheduler:
         )
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, max_model_len, cache_config.enable_prefix_caching
+            num_blocks,
+            cache_config.block_size,
+            max_model_len,
+            cache_config.enable_prefix_caching,
+            enable_kv_cache_events,
         )
         self.remote_kv = RemoteKVRequests(self.policy, self.kv_cache_manager, self.connector)
         self.admission = WaitingAdmission(
@@ -374,3 +380,6 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def take_kv_cache_events(self) -> list[KVCacheEvent]:
+        return self.kv_cache_manager.block_pool.take_events()
