@@ -6,7 +6,7 @@ Runner selection and Model Runner V2 validation follow vLLM (docs/runners.md).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from functools import cached_property
 from typing import Any
 
@@ -255,6 +255,22 @@ class EngineConfig:
         if features:
             raise ValueError("Model Runner V2 does not yet support: " + ", ".join(features))
 
+    def to_json(self) -> dict[str, Any]:
+        """Every part's settings as JSON (vLLM's /server_info?config_format=json shape): what
+        routers read, such as cache_config.block_size and kv_events_config."""
+        out: dict[str, Any] = {"device": self.device}
+        for f in fields(self):
+            part = getattr(self, f.name)
+            if is_dataclass(part):
+                out[f.name] = {
+                    p.name: getattr(part, p.name)
+                    for p in fields(part)
+                    if _is_json(getattr(part, p.name))
+                }
+            elif part is None:
+                out[f.name] = None
+        return out
+
     @property
     def max_concurrent_batches(self) -> int:
         pp = self.parallel_config.pipeline_parallel_size
@@ -264,6 +280,14 @@ class EngineConfig:
             if pp == 1:
                 return 2
         return pp
+
+
+def _is_json(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
+    return value is None or isinstance(value, (str, int, float, bool))
 
 
 _ENGINE_ARG_OWNERS: dict[str, type] = {

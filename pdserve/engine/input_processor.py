@@ -35,6 +35,19 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
         )
 
 
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: ChatMessages, add_generation_prompt: bool = True
+) -> list[int]:
+    """The token ids of a conversation under the model's chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("The model's tokenizer has no chat template; use completions.")
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    # transformers 5 returns a BatchEncoding here; older versions a plain list.
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         mc = config.model_config
@@ -59,13 +72,7 @@ class InputProcessor:
     def apply_chat_template(
         self, messages: ChatMessages, add_generation_prompt: bool = True
     ) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("The model's tokenizer has no chat template; use completions.")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
-        # transformers 5 returns a BatchEncoding here; older versions a plain list.
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return render_chat(self.tokenizer, messages, add_generation_prompt)
 
     def make_request(
         self,

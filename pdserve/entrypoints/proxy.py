@@ -39,14 +39,22 @@ from prometheus_client import (
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.entrypoints.proxy_decode_leg import DecodeLeg, open_decode
 from pdserve.entrypoints.proxy_instances import (
-    Instance,
     InstancePool,
     check_forever,
-    forwarded_error,
     upstream_error,
 )
-from pdserve.entrypoints.proxy_prefill_leg import prefill_leg
+from pdserve.entrypoints.proxy_prefill_leg import PrefillLeg, prefill_leg
+from pdserve.entrypoints.proxy_prompts import PromptTokens
+from pdserve.entrypoints.proxy_routing import (
+    Router,
+    RoutingConfig,
+    add_routing_args,
+    discover_all,
+    local_policy,
+    routing_config,
+)
 from pdserve.entrypoints.proxy_sse import (
     as_stream,
     error_event,
@@ -78,12 +86,22 @@ class _Arrival:
 
 
 def build_proxy_app(
-    prefill: list[str], decode: list[str], timeout_s: float = 600.0, strict_pd: bool = False
+    prefill: list[str],
+    decode: list[str],
+    timeout_s: float = 600.0,
+    strict_pd: bool = False,
+    routing: RoutingConfig | None = None,
+    model: str | None = None,
 ) -> FastAPI:
+    """`model` (the instances' tokenizer) lets the proxy route by the prompt's cached blocks
+    and apply --pd-min-uncached-tokens; without it, requests are routed by load alone."""
     pools = {
         "prefill": InstancePool("prefill", prefill, timeout_s),
         "decode": InstancePool("decode", decode, timeout_s),
     }
+    routing = routing or RoutingConfig()
+    routers = {role: Router(pool, routing) for role, pool in pools.items()}
+    prompts = PromptTokens(model) if model is not None else None
     registry = CollectorRegistry()
     requests_by_path = Counter(
         "pdserve:proxy_requests",
@@ -106,9 +124,14 @@ def build_proxy_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(check_forever(list(pools.values())))
+        tasks = [asyncio.create_task(check_forever(list(pools.values())))]
+        if prompts is not None and routing.policy == "cache_aware":
+            tasks.append(asyncio.create_task(discover_all(list(routers.values()))))
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
+        for router in routers.values():
+            router.close()
         for pool in pools.values():
             await pool.close()
 
@@ -156,32 +179,6 @@ def build_proxy_app(
             for name, seconds in parts.items()
         )
 
-    async def open_decode(instance: Instance, upstream: httpx.Request) -> httpx.Response:
-        """The decode leg's response, streamed; an error it answers or a failure to reach it is
-        raised as the client's error."""
-        try:
-            answer = await instance.client.send(upstream, stream=True)
-        except httpx.HTTPError as e:
-            raise upstream_error(instance, e) from None
-        if answer.status_code != 200:
-            await answer.aread()
-            await answer.aclose()
-            raise forwarded_error(instance, answer)
-        return answer
-
-    async def passing(
-        instance: Instance, answer: httpx.Response, chunks: AsyncIterator[bytes]
-    ) -> AsyncIterator[bytes]:
-        """The rest of a decode stream to the client. Cancelled when the client goes away:
-        closing the upstream aborts the decode request."""
-        try:
-            async for chunk in chunks:
-                yield chunk
-        except httpx.HTTPError as e:
-            yield error_event(upstream_error(instance, e))
-        finally:
-            await answer.aclose()
-
     async def split(
         request: Request, request_id: str, body: dict[str, Any], endpoint: str, arrival: float
     ) -> Response:
@@ -198,8 +195,20 @@ def build_proxy_app(
                 param="prompt_logprobs",
             )
 
+        tokens = prompts.of(body, endpoint) if prompts is not None else []
+        hashes = routers["prefill"].hashes(tokens)
+        decode_route = routers["decode"].pick(hashes)
         prefill_start = time.perf_counter()
-        leg = await prefill_leg(pools["prefill"], body, endpoint, headers)
+        why_local = None
+        if not strict_pd:
+            block_size = routers["decode"].block_size
+            why_local = local_policy(
+                routing, decode_route, len(tokens), block_size, pools["prefill"]
+            )
+        if why_local is not None:
+            leg = PrefillLeg(reason="policy", detail=why_local)
+        else:
+            leg = await prefill_leg(routers["prefill"], hashes, body, endpoint, headers)
         prefill_s = time.perf_counter() - prefill_start
         streaming = bool(body.get("stream"))
         # Counted once, when split ends: a whole answer's decode instance may say it recomputed.
@@ -245,11 +254,13 @@ def build_proxy_app(
                     "".join(events), media_type="text/event-stream", headers=out_headers
                 )
 
-            decode_instance = pools["decode"].pick()
-            out_headers["X-PD-Decode-Instance"] = decode_instance.url
-            upstream = decode_instance.client.build_request(
-                "POST", f"/v1/{endpoint}", json=body, headers=headers
-            )
+            out_headers["X-PD-Decode-Instance"] = decode_route.instance.url
+
+            async def decode_leg() -> DecodeLeg:
+                return await open_decode(
+                    routers["decode"], decode_route.instance, hashes, endpoint, body, headers
+                )
+
             if (
                 streaming
                 and leg.hop_answer is not None
@@ -267,15 +278,15 @@ def build_proxy_app(
                         yield first
                         decode_start = time.perf_counter()
                         try:
-                            answer = await open_decode(decode_instance, upstream)
+                            decode = await decode_leg()
                         except OpenAIError as e:
                             yield error_event(e)
                             return
                         timing_parts["decode_first_byte"].observe(
                             time.perf_counter() - decode_start
                         )
-                        chunks = without_first_token(answer.aiter_raw(), endpoint)
-                        async for chunk in passing(decode_instance, answer, chunks):
+                        chunks = without_first_token(decode.answer.aiter_raw(), endpoint)
+                        async for chunk in decode.passing(chunks):
                             yield chunk
                     finally:
                         in_flight.discard(request_id)
@@ -285,7 +296,9 @@ def build_proxy_app(
                 )
 
             decode_start = time.perf_counter()
-            answer = await open_decode(decode_instance, upstream)
+            decode = await decode_leg()
+            answer = decode.answer
+            out_headers["X-PD-Decode-Instance"] = decode.instance.url
             chunks = answer.aiter_raw()
             if streaming and leg.prompt_logprobs is not None:
                 chunks = leg.prompt_logprobs.fill_stream(chunks)
@@ -294,9 +307,9 @@ def build_proxy_app(
                 # how long it took: the client's first token follows them at once.
                 first = await anext(chunks, b"") if streaming else await answer.aread()
             except BaseException as e:  # the client gone too: closing aborts the decode request
-                await answer.aclose()
+                await decode.close()
                 if isinstance(e, httpx.HTTPError):
-                    raise upstream_error(decode_instance, e) from None
+                    raise upstream_error(decode.instance, e) from None
                 raise
             first_byte = time.perf_counter()
             decode_s = first_byte - decode_start
@@ -307,7 +320,7 @@ def build_proxy_app(
             }
             out_headers["Server-Timing"] = _server_timing(parts)
             if not streaming:
-                await answer.aclose()
+                await decode.close()
                 decode_path = answer.headers.get("X-PD-Path", "")
                 if leg.path == "remote" and decode_path.startswith("local; reason="):
                     # The decode instance recomputed the prompt (its KV load failed).
@@ -322,7 +335,7 @@ def build_proxy_app(
             async def relay() -> AsyncIterator[bytes]:
                 try:
                     yield first
-                    async for chunk in passing(decode_instance, answer, chunks):
+                    async for chunk in decode.passing(chunks):
                         yield chunk
                 finally:
                     in_flight.discard(request_id)
@@ -384,6 +397,7 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
         help="answer 503 when the prefill leg cannot be used, instead of letting the decode "
         "instance prefill the request itself (X-PD-Path: local)",
     )
+    add_routing_args(parser)
 
 
 def run_proxy(args: argparse.Namespace) -> int:
@@ -391,7 +405,9 @@ def run_proxy(args: argparse.Namespace) -> int:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"instance address {address!r} is not HOST:PORT")
-    app = build_proxy_app(args.prefill, args.decode, args.timeout, args.strict_pd)
+    app = build_proxy_app(
+        args.prefill, args.decode, args.timeout, args.strict_pd, routing_config(args), args.model
+    )
     uvicorn.Server(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5

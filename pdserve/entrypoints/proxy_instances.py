@@ -33,6 +33,8 @@ class Instance:
     healthy: bool = True
     last_error: str | None = None
     late_checks: int = 0
+    # Hops sent and not yet answered in full (a stream counts until it ends): its load.
+    in_flight: int = 0
 
     async def check(self) -> None:
         try:
@@ -73,11 +75,13 @@ class InstancePool:
         self.role = role
         self._next = itertools.count()
 
-    def pick(self) -> Instance:
-        n = len(self.instances)
+    def pick(self, among: list[Instance] | None = None) -> Instance:
+        """The next healthy instance in turn, of `among` when given (a subset of the pool)."""
+        instances = self.instances if not among else among
+        n = len(instances)
         start = next(self._next)
         for i in range(n):
-            instance = self.instances[(start + i) % n]
+            instance = instances[(start + i) % n]
             if instance.healthy:
                 return instance
         raise OpenAIError(

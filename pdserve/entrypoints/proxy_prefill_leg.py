@@ -10,8 +10,9 @@ from typing import Any
 import httpx
 
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.proxy_instances import Instance, InstancePool, failed, forwarded_error
+from pdserve.entrypoints.proxy_instances import Instance, failed, forwarded_error
 from pdserve.entrypoints.proxy_prompt_logprobs import PromptLogprobs
+from pdserve.entrypoints.proxy_routing import Router
 from pdserve.kv_connector.params import KVTransferParams
 
 
@@ -44,10 +45,15 @@ class PrefillLeg:
 
 
 async def prefill_leg(
-    pool: InstancePool, body: dict[str, Any], endpoint: str, headers: dict[str, str]
+    router: Router,
+    hashes: list[int],
+    body: dict[str, Any],
+    endpoint: str,
+    headers: dict[str, str],
 ) -> PrefillLeg:
     """The first hop of `body`: a copy that computes the prompt and one token on a prefill
-    instance of `pool` and keeps its KV for the decode instance."""
+    instance (the router's pick for a prompt of these block hashes) and keeps its KV for the
+    decode instance."""
     single = body.get("n", 1) == 1
     one_token = single and (body.get("max_completion_tokens") or body.get("max_tokens")) == 1
     # One sequence prefills, whatever the client's n: one hand-off, which the decode
@@ -62,17 +68,9 @@ async def prefill_leg(
     hop.pop("stream_options", None)
     if body.get("stream"):  # a stream never returns prompt_logprobs (0 is all it may ask)
         hop.pop("prompt_logprobs", None)
-    try:
-        instance = pool.pick()
-    except OpenAIError as e:
-        return PrefillLeg(reason="prefill-unavailable", detail=e.message)
-    try:
-        resp = await instance.client.post(f"/v1/{endpoint}", json=hop, headers=headers)
-    except httpx.HTTPError as e:
-        return PrefillLeg(instance, reason="prefill-failed", detail=failed(instance, e))
-    if resp.status_code >= 500:
-        detail = forwarded_error(instance, resp).message
-        return PrefillLeg(instance, reason="prefill-failed", detail=detail)
+    instance, resp, failure = await _send(router, hashes, hop, endpoint, headers)
+    if resp is None:
+        return PrefillLeg(instance, reason=failure[0], detail=failure[1])
     if resp.status_code != 200:  # the client's mistake: the decode instance would agree
         raise forwarded_error(instance, resp)
     answer = resp.json()
@@ -96,3 +94,29 @@ async def prefill_leg(
         return PrefillLeg(instance, reason="bad-kv-transfer-params", detail=detail)
     prompt_logprobs = PromptLogprobs.from_hop(body, answer, endpoint)
     return PrefillLeg(instance, params, prompt_logprobs=prompt_logprobs, hop_answer=answer)
+
+
+async def _send(
+    router: Router, hashes: list[int], hop: dict[str, Any], endpoint: str, headers: dict[str, str]
+) -> tuple[Instance | None, httpx.Response | None, tuple[str, str]]:
+    """The hop's answer (not a 5xx), from a second instance when the first failed: nothing
+    reached the client yet. Without one: the last instance tried and (reason, detail)."""
+    last: Instance | None = None
+    failure = ("prefill-unavailable", "")
+    for _ in range(2):
+        try:
+            instance = router.pick(hashes, exclude=last).instance
+        except OpenAIError as e:
+            return last, None, failure if last is not None else (failure[0], e.message)
+        instance.in_flight += 1
+        try:
+            resp = await instance.client.post(f"/v1/{endpoint}", json=hop, headers=headers)
+        except httpx.HTTPError as e:
+            last, failure = instance, ("prefill-failed", failed(instance, e))
+            continue
+        finally:
+            instance.in_flight -= 1
+        if resp.status_code < 500:
+            return instance, resp, failure
+        last, failure = instance, ("prefill-failed", forwarded_error(instance, resp).message)
+    return last, None, failure

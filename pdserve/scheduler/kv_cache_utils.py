@@ -25,19 +25,25 @@ def hash_block_tokens(parent_block_hash: bytes | None, block_token_ids: Sequence
     return _hash(_encode((parent, block_token_ids))).digest()
 
 
+def extend_block_hashes(
+    block_hashes: list[bytes], token_ids: Sequence[int], block_size: int
+) -> None:
+    """Append the hashes of the full blocks of `token_ids` past those in `block_hashes`."""
+    first_end = (len(block_hashes) + 1) * block_size
+    num_tokens = len(token_ids)
+    if first_end > num_tokens:
+        return
+    parent = block_hashes[-1] if block_hashes else NONE_HASH
+    for end in range(first_end, num_tokens + 1, block_size):
+        # hash_block_tokens, inlined.
+        parent = _hash(_encode((parent, token_ids[end - block_size : end]))).digest()
+        block_hashes.append(parent)
+
+
 def request_block_hasher(block_size: int) -> Callable[[Request], None]:
     """A function that extends `request.block_hashes` with the blocks filled since its last call."""
 
     def hash_new_full_blocks(request: Request) -> None:
-        block_hashes = request.block_hashes
-        first_end = (len(block_hashes) + 1) * block_size
-        if first_end > request.num_tokens:
-            return
-        token_ids = request.all_token_ids
-        parent = block_hashes[-1] if block_hashes else NONE_HASH
-        for end in range(first_end, request.num_tokens + 1, block_size):
-            # hash_block_tokens, inlined.
-            parent = _hash(_encode((parent, token_ids[end - block_size : end]))).digest()
-            block_hashes.append(parent)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, block_size)
 
     return hash_new_full_blocks

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -187,6 +188,13 @@ def build_app(
         if engine.dead_reason is not None:
             return error_response(OpenAIError(503, engine.dead_reason))
         return Response(status_code=200)
+
+    @app.get("/server_info")
+    async def server_info(config_format: str = "text") -> dict[str, Any]:
+        """The engine's configuration (vLLM's endpoint): routers read the block size and the
+        KV events' endpoints from it."""
+        config = engine.config.to_json()
+        return {"vllm_config": config if config_format == "json" else json.dumps(config)}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -1,0 +1,38 @@
+"""A request's prompt as token ids, computed in the proxy the way its instances will: the
+cache-aware router hashes them (proxy_routing.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import ValidationError
+
+from pdserve.engine.input_processor import render_chat
+from pdserve.entrypoints.openai.protocol import ChatCompletionRequest
+from pdserve.models import loader
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTokens:
+    def __init__(self, model: str) -> None:
+        self.tokenizer = loader.load_tokenizer(loader.resolve_model_source(model))
+
+    def of(self, body: dict[str, Any], endpoint: str) -> list[int]:
+        """The first prompt's token ids; [] when the body has none the proxy can read (the
+        instance then answers for it), which routes the request without a cache preference."""
+        try:
+            if endpoint == "chat/completions":
+                messages = ChatCompletionRequest.model_validate(body).conversation()
+                return render_chat(self.tokenizer, messages)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                prompt = prompt[0]  # a batch: its first prompt speaks for it
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+        except (ValidationError, ValueError, TypeError) as e:
+            logger.debug("No prompt tokens for routing: %s", e)
+        return []
