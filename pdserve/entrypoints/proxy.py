@@ -368,7 +368,7 @@ def build_proxy_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = {role: pool.status() for role, pool in pools.items()}
+        status = {role: router.status() for role, router in routers.items()}
         up = {role: any(i["healthy"] for i in s) for role, s in status.items()}
         # Without a prefill instance the decode instances still serve, prefilling themselves.
         serving = up["decode"] and (up["prefill"] or not strict_pd)

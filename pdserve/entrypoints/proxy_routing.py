@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from pdserve.distributed.kv_event_subscriber import CachedBlocks, KVEventSubscriber
@@ -157,6 +158,22 @@ class Router:
         if hashes:
             self.caches[best.url].note_routed(hashes, time.monotonic() + self.config.cache_ttl_s)
         return Route(best, matched)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each instance's health, load and what the router knows of its cache."""
+        out = []
+        for entry, instance in zip(self.pool.status(), self.pool.instances, strict=True):
+            cache = self.caches[instance.url]
+            events = cache.from_events
+            out.append(
+                {
+                    **entry,
+                    "in_flight": instance.in_flight,
+                    "kv_events": events is not None,
+                    "cached_blocks": len(events.hashes if events is not None else cache.routed),
+                }
+            )
+        return out
 
     def follow_events(self, url: str, endpoint: str, replay: str | None) -> None:
         """Take the cache map of the instance at `url` from its KV events, from now on."""
