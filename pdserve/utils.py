@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import os
 import signal
 import socket
@@ -39,7 +38,9 @@ def _watch_parent(death_reader: Connection) -> None:
         death_reader.recv()
     except EOFError:
         pass
-    _thread.interrupt_main(signal.SIGTERM)
+    # A real signal to the main thread, not _thread.interrupt_main: only a delivered signal
+    # breaks the main thread out of a blocking call (an idle engine's poll) at once.
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # type: ignore[arg-type]
     time.sleep(_EXIT_GRACE_S)
     os._exit(1)
 

@@ -92,6 +92,12 @@ class KVEventSubscriber:
             wait = 0
             _, seq_bytes, payload = self._sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
+            if seq == 0 and self.next_seq:
+                # Sequences start at 0 once per publisher: this one restarted, with an empty
+                # cache. Everything held before is gone.
+                logger.info("KV event publisher restarted: its cache map starts over")
+                batches.append(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+                self.next_seq = None
             expected = 0 if self.next_seq is None else self.next_seq
             if seq < expected:
                 continue  # already had it from a replay

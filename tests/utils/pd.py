@@ -43,6 +43,7 @@ def start_instance(
     env: dict[str, str] | None = None,
     engine_id: str | None = None,
     side_channel_port: int | None = None,
+    port: int | None = None,
     **extra: Any,
 ) -> RemoteServer:
     """One instance with its own side-channel port (a free one unless given); `runner` "0"/"1"
@@ -70,7 +71,7 @@ def start_instance(
     ]
     if tp > 1:
         args += ["--distributed-executor-backend", "mp"]
-    server = RemoteServer(args, env=env, host=host, prefix=prefix)
+    server = RemoteServer(args, env=env, host=host, prefix=prefix, port=port)
     server.side_channel_port = int(env["PDSERVE_SIDE_CHANNEL_PORT"])
     return server
 

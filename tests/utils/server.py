@@ -81,10 +81,12 @@ class RemoteServer(MetricsReader):
         host: str = "127.0.0.1",
         prefix: list[str] | None = None,
         command: list[str] | None = None,
+        port: int | None = None,
     ) -> None:
         """`prefix` runs the command under another (e.g. `ip netns exec NS`); `host` is where
         the server listens and is reached; `command` is the program given `args` (default:
-        this interpreter's `-m pdserve.entrypoints.cli`), e.g. another venv's `pdserve`."""
+        this interpreter's `-m pdserve.entrypoints.cli`), e.g. another venv's `pdserve`; `port`: that
+        one (a restarted instance), not a free one."""
         args = [*args, "--api-key", api_key] if api_key else args
         if host != "127.0.0.1":
             args = [*args, "--host", host]
@@ -93,7 +95,7 @@ class RemoteServer(MetricsReader):
         # seconds in which another process (an outgoing connection, a transport's listener) can
         # take it. A server that lost its port that way is started again on another.
         for attempt in range(_BIND_ATTEMPTS):
-            self.port = get_open_port()
+            self.port = port if port is not None and attempt == 0 else get_open_port()
             super().__init__(
                 f"http://{host}:{self.port}",
                 {"Authorization": f"Bearer {api_key}"} if api_key else None,

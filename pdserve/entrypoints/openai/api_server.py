@@ -25,11 +25,16 @@ import pdserve
 from pdserve import envs
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
+from pdserve.entrypoints.openai.drain import Drain
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.openai.serving import OpenAIServing, RequestFailedError
 
 logger = logging.getLogger(__name__)
+
+
+# What a draining instance refuses: new work. Its /metrics, /health and /server_info still answer.
+_REFUSED_WHILE_DRAINING = {"/v1/completions", "/v1/chat/completions"}
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
@@ -58,13 +63,19 @@ async def with_cancellation(request: Request, work: Awaitable[T]) -> T | None:
 
 
 def build_app(
-    engine: AsyncLLM, model_name: str, api_key: str | None, max_pending_requests: int | None = None
+    engine: AsyncLLM,
+    model_name: str,
+    api_key: str | None,
+    max_pending_requests: int | None = None,
+    drain: Drain | None = None,
 ) -> FastAPI:
     serving = OpenAIServing(engine, model_name, max_pending_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        if drain is not None:
+            drain.install()
         yield
 
     app = FastAPI(lifespan=lifespan)
@@ -73,6 +84,14 @@ def build_app(
     async def authenticate(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
+        if drain is not None and drain.draining and request.url.path in _REFUSED_WHILE_DRAINING:
+            return error_response(
+                OpenAIError(
+                    503,
+                    "This instance is draining (shutting down); send the request elsewhere.",
+                    "ServiceUnavailableError",
+                )
+            )
         if (
             api_key
             and request.url.path != "/health"
@@ -187,6 +206,8 @@ def build_app(
     async def health() -> Response:
         if engine.dead_reason is not None:
             return error_response(OpenAIError(503, engine.dead_reason))
+        if drain is not None and drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return Response(status_code=200)
 
     @app.get("/server_info")
@@ -232,20 +253,30 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="answer 503 beyond this many requests in flight (default: no limit)",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=120.0,
+        help="on SIGTERM, seconds to let requests in flight finish and held KV be read before "
+        "exiting anyway (a second SIGTERM exits at once)",
+    )
 
 
 def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     engine = AsyncLLM.from_engine_args(**engine_args)
+    drain = Drain(engine, args.drain_timeout)
     app = build_app(
         engine,
         engine.config.model_config.name,
         args.api_key or envs.api_key(),
         args.max_pending_requests,
+        drain,
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
     )
     server = uvicorn.Server(config)
+    drain.server = server
     try:
         server.run()
     finally:

@@ -291,3 +291,28 @@ def test_engine_publishes_its_cache_as_it_changes(tiny_model, endpoints) -> None
             assert rebuilt.hashes == set()
         finally:
             sub.close()
+
+
+def test_a_restarted_publisher_clears_the_map(endpoints: tuple[str, str]) -> None:
+    endpoint, replay = endpoints
+    config = KVEventsConfig(True, endpoint=endpoint, replay_endpoint=replay)
+    publisher = ZmqEventPublisher(config)
+    sub = KVEventSubscriber(endpoint, replay)
+    cached = CachedBlocks()
+    try:
+        time.sleep(0.3)
+        for h in range(3):
+            publisher.publish(stored(h))
+        for batch in receive_until(sub, 3):
+            cached.apply(batch)
+        assert cached.hashes == {0, 1, 2}
+        publisher.shutdown()
+        publisher = ZmqEventPublisher(config)  # the instance came back: sequence from 0
+        time.sleep(0.5)  # the SUB socket reconnects
+        publisher.publish(stored(9))
+        for batch in receive_until(sub, 2):
+            cached.apply(batch)
+        assert cached.hashes == {9} and sub.next_seq == 1
+    finally:
+        sub.close()
+        publisher.shutdown()
