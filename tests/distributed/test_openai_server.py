@@ -546,3 +546,43 @@ def test_engine_killed_fails_requests_and_health(tiny_model: Callable[[str], str
         assert "exited unexpectedly" in server.read_log()
     finally:
         assert server.stop() == [], "processes left behind"
+
+
+def test_render_gives_the_token_ids_a_request_would_run_with(
+    server: RemoteServer, model: str
+) -> None:
+    """vLLM's render endpoints (routers tokenize through them): no generation, the prompt's
+    token ids as the completion would use them; a bad request is a 400 there too."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rendered = httpx.post(
+        f"{server.url}/v1/completions/render",
+        json={"model": model, "prompt": [PROMPTS[1], PROMPTS[2]], "max_tokens": 5},
+        headers={"X-Request-Id": "r1"},
+    )
+    assert rendered.status_code == 200
+    first, second = rendered.json()
+    assert first["request_id"] == "r1-0" and second["request_id"] == "r1-1"
+    assert first["token_ids"] == tokenizer.encode(PROMPTS[1])
+    assert second["token_ids"] == tokenizer.encode(PROMPTS[2])
+    assert first["sampling_params"]["max_tokens"] == 5 and first["model"] == model
+    messages = [{"role": "user", "content": "hello"}]
+    chat = httpx.post(
+        f"{server.url}/v1/chat/completions/render", json={"model": model, "messages": messages}
+    )
+    assert chat.status_code == 200
+    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat.json()["token_ids"] == tokenizer.encode(templated, add_special_tokens=False)
+    bad = httpx.post(f"{server.url}/v1/completions/render", json={"model": model, "prompt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["message"]
+
+
+def test_server_info_has_what_routers_read(server: RemoteServer) -> None:
+    info = httpx.get(f"{server.url}/server_info", params={"config_format": "json"}).json()
+    config = info["vllm_config"]
+    assert config["cache_config"]["block_size"] == 16
+    assert config["model_config"]["max_model_len"] == MAX_MODEL_LEN
+    assert config["kv_events_config"] is None
+    text = httpx.get(f"{server.url}/server_info").json()["vllm_config"]
+    assert isinstance(text, str) and "block_size" in text

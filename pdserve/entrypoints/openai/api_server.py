@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +29,8 @@ from pdserve.engine.core_client import EngineDeadError
 from pdserve.entrypoints.openai.drain import Drain
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.entrypoints.openai.serving import OpenAIServing, RequestFailedError
+from pdserve.entrypoints.openai.serving import OpenAIServing, Prompt, RequestFailedError
+from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +193,30 @@ def build_app(
                 lambda: serving.chat_stream(body, rid),
             ),
         )
+
+    @app.post("/v1/completions/render")
+    async def completions_render(body: CompletionRequest, request: Request) -> list[dict]:
+        """What each prompt would run as, without running it (vLLM's render endpoint):
+        routers tokenize through it to score prefixes."""
+        return render(request_id_of(request), serving.prepare_completion(body), body.stream)
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict:
+        return render(request_id_of(request), serving.prepare_chat(body), body.stream)[0]
+
+    def render(
+        request_id: str, prepared: list[tuple[Prompt, SamplingParams]], stream: bool
+    ) -> list[dict[str, Any]]:
+        return [
+            {
+                "request_id": request_id if len(prepared) == 1 else f"{request_id}-{i}",
+                "token_ids": prompt["prompt_token_ids"],
+                "model": model_name,
+                "sampling_params": msgspec.to_builtins(params),
+                "stream": stream,
+            }
+            for i, (prompt, params) in enumerate(prepared)
+        ]
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
