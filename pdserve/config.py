@@ -269,6 +269,8 @@ class EngineConfig:
                 }
             elif part is None:
                 out[f.name] = None
+        # Where the weights and tokenizer are, also when the default model was chosen (None).
+        out["model_config"]["model"] = str(self.model_config.source.path)
         return out
 
     @property

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from pdserve import envs
+from pdserve.entrypoints.proxy_routing import add_routing_args, routing_flags
 from pdserve.executor.cpu_cores import create_board
 from pdserve.utils import get_open_port
 
@@ -128,6 +129,7 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strict-pd", action="store_true", help="passed to the proxy: no local prefill path"
     )
+    add_routing_args(parser)  # passed to the proxy too
 
 
 def _kv_config(role: str, transport: str) -> str:
@@ -136,6 +138,18 @@ def _kv_config(role: str, transport: str) -> str:
             "kv_connector": "NixlConnector",
             "kv_role": role,
             "kv_connector_extra_config": {"transport": transport},
+        }
+    )
+
+
+def _kv_events_config() -> str:
+    """Each instance publishes its KV cache events (the proxy routes by them) on its own ports."""
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{get_open_port()}",
+            "replay_endpoint": f"tcp://*:{get_open_port()}",
         }
     )
 
@@ -179,6 +193,8 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
                     str(tp),
                     *instance_args,
                 ]
+                if "--kv-events-config" not in instance_args:
+                    serve += ["--kv-events-config", _kv_events_config()]
                 if tp > 1:
                     serve += ["--distributed-executor-backend", "mp"]
                 env = {
@@ -203,6 +219,8 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
                 "--decode",
                 *map(address, instances["decode"]),
                 *(["--strict-pd"] if args.strict_pd else []),
+                *model,
+                *routing_flags(args),
             ],
             args.port,
         )

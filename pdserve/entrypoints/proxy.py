@@ -29,13 +29,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.entrypoints.openai.errors import OpenAIError
@@ -45,6 +39,7 @@ from pdserve.entrypoints.proxy_instances import (
     check_forever,
     upstream_error,
 )
+from pdserve.entrypoints.proxy_metrics import ProxyMetrics
 from pdserve.entrypoints.proxy_prefill_leg import PrefillLeg, prefill_leg
 from pdserve.entrypoints.proxy_prompts import PromptTokens
 from pdserve.entrypoints.proxy_routing import (
@@ -63,14 +58,6 @@ from pdserve.entrypoints.proxy_sse import (
 )
 
 logger = logging.getLogger(__name__)
-
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-_TIMING_DESC = {
-    # No commas: they separate the header's entries.
-    "prefill_leg": "prefill instance: the one-token hop",
-    "decode_first_byte": "decode instance: its first token (or whole response)",
-    "proxy": "proxy",
-}
 
 
 class _Arrival:
@@ -93,40 +80,22 @@ def build_proxy_app(
     routing: RoutingConfig | None = None,
     model: str | None = None,
 ) -> FastAPI:
-    """`model` (the instances' tokenizer) lets the proxy route by the prompt's cached blocks
-    and apply --pd-min-uncached-tokens; without it, requests are routed by load alone."""
+    """`model` (the instances' tokenizer, else the one their /server_info names) lets the proxy
+    route by the prompt's cached blocks and apply --pd-min-uncached-tokens."""
     pools = {
         "prefill": InstancePool("prefill", prefill, timeout_s),
         "decode": InstancePool("decode", decode, timeout_s),
     }
     routing = routing or RoutingConfig()
     routers = {role: Router(pool, routing) for role, pool in pools.items()}
-    prompts = PromptTokens(model) if model is not None else None
-    registry = CollectorRegistry()
-    requests_by_path = Counter(
-        "pdserve:proxy_requests",
-        "Requests by how they were served: path remote (prefill instance, KV handed over) or "
-        "local (the decode instance prefilled), with the reason.",
-        ["path", "reason"],
-        registry=registry,
-    )
-    # The parts of a request's time to its first byte, as its Server-Timing header gives them.
-    timing_parts = {
-        name: Histogram(
-            f"pdserve:pd_{name}_seconds", doc, buckets=_LATENCY_BUCKETS, registry=registry
-        )
-        for name, doc in (
-            ("proxy", "The proxy's own part of a request's time to its first byte."),
-            ("prefill_leg", "The prefill instance's one-token hop, round trip."),
-            ("decode_first_byte", "From the decode hop sent to its first byte back."),
-        )
-    }
+    prompts = PromptTokens(model)
+    metrics = ProxyMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(check_forever(list(pools.values())))]
-        if prompts is not None and routing.policy == "cache_aware":
-            tasks.append(asyncio.create_task(discover_all(list(routers.values()))))
+        if routing.policy == "cache_aware":
+            tasks.append(asyncio.create_task(discover_all(list(routers.values()), prompts)))
         yield
         for task in tasks:
             task.cancel()
@@ -170,15 +139,6 @@ def build_proxy_app(
             if not relaying:  # a stream's relay lets the id go when it ends
                 in_flight.discard(request_id)
 
-    def _server_timing(parts: dict[str, float]) -> str:
-        """The header's value; each part is also observed in its histogram."""
-        for name, seconds in parts.items():
-            timing_parts[name].observe(seconds)
-        return ", ".join(
-            f'{name};dur={seconds * 1000:.2f};desc="{_TIMING_DESC[name]}"'
-            for name, seconds in parts.items()
-        )
-
     async def split(
         request: Request, request_id: str, body: dict[str, Any], endpoint: str, arrival: float
     ) -> Response:
@@ -195,7 +155,7 @@ def build_proxy_app(
                 param="prompt_logprobs",
             )
 
-        tokens = prompts.of(body, endpoint) if prompts is not None else []
+        tokens = prompts.of(body, endpoint)
         hashes = routers["prefill"].hashes(tokens)
         decode_route = routers["decode"].pick(hashes)
         prefill_start = time.perf_counter()
@@ -242,7 +202,7 @@ def build_proxy_app(
             def first_from_prefill_leg() -> str:
                 """Server-Timing of a response whose first token is the prefill instance's."""
                 proxy_s = time.perf_counter() - arrival - prefill_s
-                return _server_timing({"prefill_leg": prefill_s, "proxy": proxy_s})
+                return metrics.server_timing({"prefill_leg": prefill_s, "proxy": proxy_s})
 
             if leg.answer is not None:
                 out_headers["Server-Timing"] = first_from_prefill_leg()
@@ -282,7 +242,7 @@ def build_proxy_app(
                         except OpenAIError as e:
                             yield error_event(e)
                             return
-                        timing_parts["decode_first_byte"].observe(
+                        metrics.timing_parts["decode_first_byte"].observe(
                             time.perf_counter() - decode_start
                         )
                         chunks = without_first_token(decode.answer.aiter_raw(), endpoint)
@@ -318,7 +278,7 @@ def build_proxy_app(
                 "decode_first_byte": decode_s,
                 "proxy": first_byte - arrival - prefill_s - decode_s,
             }
-            out_headers["Server-Timing"] = _server_timing(parts)
+            out_headers["Server-Timing"] = metrics.server_timing(parts)
             if not streaming:
                 await decode.close()
                 decode_path = answer.headers.get("X-PD-Path", "")
@@ -342,7 +302,7 @@ def build_proxy_app(
 
             return StreamingResponse(relay(), media_type="text/event-stream", headers=out_headers)
         finally:
-            requests_by_path.labels(*served).inc()
+            metrics.requests_by_path.labels(*served).inc()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -363,8 +323,8 @@ def build_proxy_app(
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_page() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -396,6 +356,13 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="answer 503 when the prefill leg cannot be used, instead of letting the decode "
         "instance prefill the request itself (X-PD-Path: local)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the instances' model (its tokenizer): routing by cached prefix and "
+        "--pd-min-uncached-tokens need the prompt's tokens (default: the model the instances "
+        "name in /server_info, when this host can read it)",
     )
     add_routing_args(parser)
 

@@ -16,12 +16,24 @@ logger = logging.getLogger(__name__)
 
 
 class PromptTokens:
-    def __init__(self, model: str) -> None:
-        self.tokenizer = loader.load_tokenizer(loader.resolve_model_source(model))
+    """Empty until it has a tokenizer: given (`pdserve proxy --model`) or the instances' own,
+    found through their /server_info when the proxy can read it (same host, shared storage)."""
+
+    def __init__(self, model: str | None = None) -> None:
+        self.tokenizer = None
+        if model is not None:
+            self.load(model)
+
+    def load(self, model: str) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = loader.load_tokenizer(loader.resolve_model_source(model))
+            logger.info("Routing by prompt tokens, with the tokenizer of %s", model)
 
     def of(self, body: dict[str, Any], endpoint: str) -> list[int]:
         """The first prompt's token ids; [] when the body has none the proxy can read (the
         instance then answers for it), which routes the request without a cache preference."""
+        if self.tokenizer is None:
+            return []
         try:
             if endpoint == "chat/completions":
                 messages = ChatCompletionRequest.model_validate(body).conversation()

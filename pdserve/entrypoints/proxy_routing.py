@@ -24,6 +24,7 @@ from pdserve.distributed.kv_event_subscriber import CachedBlocks, KVEventSubscri
 from pdserve.distributed.kv_events import external_block_hash
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.proxy_instances import Instance, InstancePool
+from pdserve.entrypoints.proxy_prompts import PromptTokens
 from pdserve.scheduler.kv_cache_utils import extend_block_hashes
 from pdserve.validation import check_choice
 
@@ -207,11 +208,21 @@ class Router:
             subscriber.close()
 
 
-async def discover(router: Router, instance: Instance) -> None:
-    """Learn an instance's block size and, when it publishes them, follow its KV events."""
+async def discover(router: Router, instance: Instance, prompts: PromptTokens) -> None:
+    """Learn an instance's block size and tokenizer and, when it publishes them, follow its KV
+    events."""
     resp = await instance.client.get("/server_info", params={"config_format": "json"})
     resp.raise_for_status()
     config = resp.json()["vllm_config"]
+    if prompts.tokenizer is None:
+        try:
+            await asyncio.to_thread(prompts.load, config["model_config"]["model"])
+        except (ValueError, OSError) as e:
+            logger.warning(
+                "No tokenizer for %s (%s): requests are routed by load alone (give --model)",
+                instance.url,
+                e,
+            )
     block_size = config["cache_config"]["block_size"]
     if router.block_size is None:
         router.block_size = block_size
@@ -234,14 +245,14 @@ async def discover(router: Router, instance: Instance) -> None:
         )
 
 
-async def discover_all(routers: list[Router]) -> None:
+async def discover_all(routers: list[Router], prompts: PromptTokens) -> None:
     """Each instance's /server_info once it answers (retried with the health checks' period)."""
     pending = [(r, i) for r in routers for i in r.pool.instances]
     while pending:
         left = []
         for router, instance in pending:
             try:
-                await discover(router, instance)
+                await discover(router, instance, prompts)
             except Exception as e:  # not up yet, or an instance without /server_info
                 logger.debug("%s: no server info yet (%s)", instance.url, e)
                 left.append((router, instance))
@@ -292,12 +303,6 @@ def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
 
 
 def add_routing_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="the instances' model (its tokenizer): routing by cached prefix and "
-        "--pd-min-uncached-tokens need the prompt's tokens; without it, load alone routes",
-    )
     d = RoutingConfig()
     parser.add_argument(
         "--routing", choices=ROUTING_POLICIES, default=d.policy, help="docs/proxy.md, Routing"
@@ -339,3 +344,15 @@ def routing_config(args: argparse.Namespace) -> RoutingConfig:
         args.pd_min_uncached_tokens,
         args.pd_max_prefill_in_flight,
     )
+
+
+def routing_flags(args: argparse.Namespace) -> list[str]:
+    """The routing flags as `pdserve proxy` takes them (pdserve launch passes them on)."""
+    c = routing_config(args)
+    return [
+        "--routing", c.policy,
+        "--max-load-imbalance", str(c.max_load_imbalance),
+        "--routing-cache-ttl", str(c.cache_ttl_s),
+        "--pd-min-uncached-tokens", str(c.min_uncached_tokens),
+        "--pd-max-prefill-in-flight", str(c.max_prefill_in_flight),
+    ]  # fmt: skip

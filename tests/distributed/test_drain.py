@@ -95,6 +95,7 @@ def test_rolling_restart_of_a_decode_instance_loses_no_request(model: str) -> No
     ):
         addresses = {s: s.url.removeprefix("http://") for s in (p, d1, d2)}
         args = ["proxy", "--prefill", addresses[p], "--decode", addresses[d1], addresses[d2]]
+        args += ["--pd-min-uncached-tokens", "0"]  # both legs for every request
         with RemoteServer(args) as proxy:
             results: list[tuple[int, list[int] | str, int]] = []
             back = threading.Event()

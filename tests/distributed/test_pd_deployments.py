@@ -121,6 +121,7 @@ def test_decode_killed_under_load(tiny_model: Callable[[str], str]) -> None:
         address = lambda s: s.url.removeprefix("http://")  # noqa: E731
         proxy = RemoteServer(
             ["proxy", "--prefill", address(p), "--decode", address(d1), address(d2)]
+            + ["--pd-min-uncached-tokens", "0"]  # the split for every prompt
         )
         servers.append(proxy)
 

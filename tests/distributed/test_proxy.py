@@ -27,7 +27,8 @@ PROMPTS = [f"prompt {i}: " + " ".join(["word"] * (i * 3)) for i in range(16)]
 
 @pytest.fixture(scope="module")
 def deployment(tiny_model: Callable[[str], str]) -> Iterator[RemoteServer]:
-    with RemoteServer(["launch", "--model", tiny_model("llama"), "--dtype", "float32"]) as proxy:
+    launch = ["launch", "--model", tiny_model("llama"), "--pd-min-uncached-tokens", "0"]
+    with RemoteServer([*launch, "--dtype", "float32"]) as proxy:
         yield proxy
         assert proxy.stop() == [], "processes left behind"
 

@@ -56,7 +56,9 @@ def split(servers: dict[str, RemoteServer]) -> Iterator[RemoteServer]:
 
 def _proxy(prefill: str, decode: RemoteServer, *flags: str) -> RemoteServer:
     decode_address = decode.url.removeprefix("http://")
-    return RemoteServer(["proxy", "--prefill", prefill, "--decode", decode_address, *flags])
+    # Every prompt through the prefill leg unless a test says otherwise: these test the split.
+    args = ["proxy", "--prefill", prefill, "--decode", decode_address]
+    return RemoteServer([*args, "--pd-min-uncached-tokens", "0", *flags])
 
 
 def _complete(proxy: RemoteServer, model: str) -> tuple[str, list[int]]:

@@ -45,6 +45,8 @@ def servers(tiny_model: Callable[[str], str]) -> Iterator[dict[str, Any]]:
                 p.url.removeprefix("http://"),
                 "--decode",
                 d.url.removeprefix("http://"),
+                "--pd-min-uncached-tokens",
+                "0",
             ]
         ) as proxy,
     ):
