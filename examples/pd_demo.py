@@ -44,6 +44,10 @@ def main() -> int:
         "launch",
         "--port",
         str(args.port),
+        # Every prompt through the split, short as these are: by default the proxy lets the
+        # decode instance prefill a prompt this short itself (docs/proxy.md).
+        "--pd-min-uncached-tokens",
+        "0",
         *(["--model", args.model] if args.model else []),
         *[a for a in extra if a != "--"],
     ]
@@ -75,6 +79,7 @@ def main() -> int:
             decode_url = raw.headers["x-pd-decode-instance"]
             answer = raw.parse()
             print(f"\nPrompt: {prompt}\nAnswer: {answer.choices[0].message.content.strip()}")
+            print(f"  X-PD-Path: {raw.headers['x-pd-path']}")
             # A fresh deployment and one request at a time: the counters' deltas are this request's.
             now = (
                 metric(decode_url, "kv_transfer_bytes_total"),

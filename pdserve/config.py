@@ -271,6 +271,7 @@ class EngineConfig:
                 out[f.name] = None
         # Where the weights and tokenizer are, also when the default model was chosen (None).
         out["model_config"]["model"] = str(self.model_config.source.path)
+        out["model_config"]["vocab_size"] = self.model_config.vocab_size
         return out
 
     @property

@@ -44,10 +44,10 @@ class RoutingConfig:
     # to. Past it, the instance has likely evicted them under other requests.
     cache_ttl_s: float = 300.0
     # Conditional disaggregation: a prompt with fewer tokens than this not cached on its decode
-    # instance is prefilled there, without a prefill leg (0: never). Below it the handover's
-    # fixed cost (a hop, a handshake-free pull) exceeds computing the tokens in place
-    # (docs/proxy.md has the measurement behind the default).
-    min_uncached_tokens: int = 32
+    # instance is prefilled there, without a prefill leg (0: never). A lone short request is
+    # served sooner that way (no hop, no pull), but its prefill stalls every request decoding
+    # there; 64 tokens keep that stall under one decode step (docs/proxy.md has the figures).
+    min_uncached_tokens: int = 64
     # ... and so is every request while each prefill instance has this many in flight (0: never).
     max_prefill_in_flight: int = 16
 
