@@ -57,6 +57,8 @@ class KVEventSubscriber:
         self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
         # The next sequence number expected; None until the first batch.
         self.next_seq: int | None = None
+        # The last sequence number heard on the live socket (replays do not count).
+        self._last_live: int | None = None
         self.lost = 0
 
     def replay_from(self, start_seq: int) -> list[KVEventBatch]:
@@ -92,12 +94,13 @@ class KVEventSubscriber:
             wait = 0
             _, seq_bytes, payload = self._sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
-            if seq == 0 and self.next_seq:
-                # Sequences start at 0 once per publisher: this one restarted, with an empty
-                # cache. Everything held before is gone.
+            if self._last_live is not None and seq <= self._last_live:
+                # Live sequence numbers only grow within one publisher: this one restarted,
+                # with an empty cache. Everything held before is gone.
                 logger.info("KV event publisher restarted: its cache map starts over")
                 batches.append(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
                 self.next_seq = None
+            self._last_live = seq
             expected = 0 if self.next_seq is None else self.next_seq
             if seq < expected:
                 continue  # already had it from a replay

@@ -5,9 +5,11 @@ block-removed and all-blocks-cleared events go out as one `KVEventBatch`, msgpac
 on a ZMQ PUB socket as three frames (topic, 8-byte big-endian sequence number, payload). A
 subscriber that sees a gap in the sequence asks the replay socket (ROUTER) for the batches
 from a sequence number on: each comes back as (sequence, payload), then (-1, b"") ends the
-reply. The structs are vLLM's, field for field and in its order: tagged positional arrays
-(`["BlockStored", block_hashes, ...]`), so vLLM's subscribers, vllm-router and Dynamo decode
-them unchanged. docs/kv_events.md has the layout.
+reply. The structs are vLLM's, field for field: a batch is a positional array
+`[ts, events, data_parallel_rank]`, an event a map tagged by its "type"
+(`{"type": "BlockStored", "block_hashes": [...], ...}`), which current vLLM sends and
+vllm-router 0.1.17 requires (it refuses the older positional events). docs/kv_events.md has
+the layout.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -52,6 +54,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
 
 
 class BlockRemoved(KVCacheEvent):

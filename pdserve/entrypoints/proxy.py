@@ -3,8 +3,9 @@
 Each request goes twice (vLLM's toy_proxy_server, reference §6.1): a copy to a prefill instance
 with `max_tokens=1`, no streaming and `kv_transfer_params={"do_remote_decode": true}`; then the
 original, carrying the prefill answer's `kv_transfer_params`, to a decode instance, whose answer
-(streamed or not) goes back to the client. One X-Request-Id names both hops. Instances are chosen among those whose /health answered 200
-at the last check, by cached prefix and load (proxy_routing.py).
+(streamed or not) goes back to the client. One X-Request-Id names both hops. Instances are
+chosen among those whose /health answered 200 at the last check, by cached prefix and load
+(proxy_routing.py).
 
 When the prefill leg cannot be used (no prefill instance is up, its hop failed, or it answered
 without `kv_transfer_params`), the decode instance prefills the request itself, never untold:

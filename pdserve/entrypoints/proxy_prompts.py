@@ -24,7 +24,8 @@ class PromptTokens:
         if model is not None:
             self.load(model)
 
-    def load(self, model: str) -> None:
+    def load(self, model: str | None) -> None:
+        """`model` None: the default model (as an instance started without --model)."""
         if self.tokenizer is None:
             self.tokenizer = loader.load_tokenizer(loader.resolve_model_source(model))
             logger.info("Routing by prompt tokens, with the tokenizer of %s", model)

@@ -191,6 +191,7 @@ class BlockPool:
                     block_size=size,
                     lora_id=None,
                     medium=MEDIUM,
+                    lora_name=None,
                 )
             )
             run_start = j

@@ -35,14 +35,28 @@ def chain(token_ids: list[int]) -> list[bytes]:
     return hashes
 
 
-def test_wire_layout_is_vllms_tagged_arrays() -> None:
-    """vLLM's structs are array_like and tagged: a batch is [ts, events, data_parallel_rank],
-    an event is [tag, fields in declaration order]; block hashes are 64-bit unsigned ints."""
+def stored_map(hashes: list[int], parent: int | None, tokens: list[int]) -> dict:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+
+
+def test_wire_layout_is_vllms() -> None:
+    """Current vLLM's layout, the one vllm-router 0.1.17 accepts: a batch is the positional
+    [ts, events, data_parallel_rank]; an event is a map tagged by "type", every field present
+    (None where unset); block hashes are 64-bit unsigned ints."""
     batch = KVEventBatch(
         ts=12.5,
         events=[
-            BlockStored([1, 2**64 - 1], None, [5, 6, 7, 8, 9, 10, 11, 12], 4, None, "GPU"),
-            BlockStored([3], 2, [1, 2, 3, 4], 4, None, "GPU"),
+            BlockStored([1, 2**64 - 1], None, [5, 6, 7, 8, 9, 10, 11, 12], 4, None, "GPU", None),
+            BlockStored([3], 2, [1, 2, 3, 4], 4, None, "GPU", None),
             BlockRemoved([1], "GPU"),
             AllBlocksCleared(),
         ],
@@ -51,18 +65,16 @@ def test_wire_layout_is_vllms_tagged_arrays() -> None:
     assert plain == [
         12.5,
         [
-            ["BlockStored", [1, 2**64 - 1], None, [5, 6, 7, 8, 9, 10, 11, 12], 4, None, "GPU"],
-            ["BlockStored", [3], 2, [1, 2, 3, 4], 4, None, "GPU"],
-            ["BlockRemoved", [1], "GPU"],
-            ["AllBlocksCleared"],
+            stored_map([1, 2**64 - 1], None, [5, 6, 7, 8, 9, 10, 11, 12]),
+            stored_map([3], 2, [1, 2, 3, 4]),
+            {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"},
+            {"type": "AllBlocksCleared"},
         ],
         None,
     ]
     # A batch from vLLM with a data-parallel rank, or from an older one without it, decodes.
-    for wire, rank in (
-        ([1.0, [["AllBlocksCleared"]], 3], 3),
-        ([1.0, [["AllBlocksCleared"]]], None),
-    ):
+    cleared = {"type": "AllBlocksCleared"}
+    for wire, rank in (([1.0, [cleared], 3], 3), ([1.0, [cleared]], None)):
         batch = msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=KVEventBatch)
         assert batch.data_parallel_rank == rank and batch.events == [AllBlocksCleared()]
 
@@ -81,8 +93,8 @@ def test_block_pool_emits_stored_removed_and_cleared() -> None:
     pool.cache_full_blocks(hashes, blocks, 2, 3, tokens)
     ext = [external_block_hash(h) for h in hashes]
     assert pool.take_events() == [
-        BlockStored(ext[:2], None, tokens[:8], BLOCK_SIZE, None, "GPU"),
-        BlockStored(ext[2:], ext[1], tokens[8:], BLOCK_SIZE, None, "GPU"),
+        BlockStored(ext[:2], None, tokens[:8], BLOCK_SIZE, None, "GPU", None),
+        BlockStored(ext[2:], ext[1], tokens[8:], BLOCK_SIZE, None, "GPU", None),
     ]
     assert pool.take_events() == []
 
@@ -118,8 +130,8 @@ def test_split_runs_around_a_block_cached_elsewhere() -> None:
     blocks = pool.get_new_blocks(3)
     pool.cache_full_blocks(hashes, blocks, 0, 3, tokens)
     assert pool.take_events() == [
-        BlockStored(ext[:1], None, tokens[:4], BLOCK_SIZE, None, "GPU"),
-        BlockStored(ext[2:], ext[1], tokens[8:], BLOCK_SIZE, None, "GPU"),
+        BlockStored(ext[:1], None, tokens[:4], BLOCK_SIZE, None, "GPU", None),
+        BlockStored(ext[2:], ext[1], tokens[8:], BLOCK_SIZE, None, "GPU", None),
     ]
 
 
@@ -133,7 +145,9 @@ def test_events_off_keeps_nothing() -> None:
 
 
 def stored(h: int) -> KVEventBatch:
-    return KVEventBatch(ts=time.time(), events=[BlockStored([h], None, [h] * 4, 4, None, "GPU")])
+    return KVEventBatch(
+        ts=time.time(), events=[BlockStored([h], None, [h] * 4, 4, None, "GPU", None)]
+    )
 
 
 @pytest.fixture
@@ -307,12 +321,18 @@ def test_a_restarted_publisher_clears_the_map(endpoints: tuple[str, str]) -> Non
             cached.apply(batch)
         assert cached.hashes == {0, 1, 2}
         publisher.shutdown()
+        time.sleep(0.5)  # ZMQ closes sockets in the background: the ports are free after
         publisher = ZmqEventPublisher(config)  # the instance came back: sequence from 0
-        time.sleep(0.5)  # the SUB socket reconnects
-        publisher.publish(stored(9))
-        for batch in receive_until(sub, 2):
+        # Batches sent before the SUB socket has reconnected (and re-subscribed, which happens
+        # while it is polled, as a router's listener does) are lost to it; the first it hears
+        # goes backwards, which is the restart, and the replay brings back what it missed.
+        for h in (7, 8, 9):
+            publisher.publish(stored(h))
+            for batch in sub.poll(300):
+                cached.apply(batch)
+        for batch in receive_until(sub, 1, timeout_s=1.0):
             cached.apply(batch)
-        assert cached.hashes == {9} and sub.next_seq == 1
+        assert cached.hashes == {7, 8, 9} and sub.next_seq == 3
     finally:
         sub.close()
         publisher.shutdown()
