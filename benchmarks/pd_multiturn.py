@@ -10,7 +10,7 @@ so none finds the previous router's prefixes cached. Printed side by side: the p
 (1 - prompt tokens the instances computed / prompt tokens sent), KV bytes handed over, TTFT and
 ITL p50/p99, and the requests each router kept off the prefill leg.
 
-Usage: python benchmarks/pd_multiturn.py [--conversations 8 --turns 4 --concurrency 4]
+Usage: python benchmarks/pd_multiturn.py [--conversations 12 --turns 5 --concurrency 4]
        [-- flags for every instance, e.g. --model M --dtype float32]
 """
 
@@ -171,8 +171,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--conversations", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--system-sentences", type=int, default=20)

@@ -6,6 +6,9 @@ percentiles are printed side by side, then as one JSON line. The split runs twic
 launch` starts it (an idle instance lends its cores to the other, executor/cpu_cores.py), and
 with each instance's threads fixed at its share (PDSERVE_CPU_THREADS), nothing lent.
 
+Multi-turn chat with shared prefixes, routed three ways over one 2P2D deployment (round robin,
+pdserve's cache-aware proxy, vllm-router's cache_aware), is benchmarks/pd_multiturn.py.
+
 Usage: python benchmarks/pd_serving.py [--num-prompts 32 --request-rate 1 --max-tokens 32]
        [-- flags for every instance, e.g. --model M --dtype float32]
 """
