@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.proxy_decode_leg import DecodeLeg, open_decode
+from pdserve.entrypoints.proxy_decode_leg import DecodeLeg, close_unread, open_decode
 from pdserve.entrypoints.proxy_instances import (
     InstancePool,
     check_forever,
@@ -110,6 +110,8 @@ def build_proxy_app(
     # X-Request-Ids of the requests being served: one names both hops of its request, so a
     # second request in flight under the same id is refused before it reaches an instance.
     in_flight: set[str] = set()
+    # Tasks that outlive their request (closing a decode leg nobody reads); kept referenced.
+    background: set[asyncio.Task[None]] = set()
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
@@ -235,11 +237,17 @@ def build_proxy_app(
                 out_headers["Server-Timing"] = first_from_prefill_leg()
 
                 async def relay_after_first() -> AsyncIterator[bytes]:
+                    # The decode leg opens while the first token goes out. A client gone by
+                    # then must not leave the prefill instance holding the KV until its lease
+                    # ends: the leg opens anyway and is closed, which aborts it there and has
+                    # the decode instance release the hand-off.
+                    opening = asyncio.create_task(decode_leg())
+                    decode_start = time.perf_counter()
+                    decode = None
                     try:
                         yield first
-                        decode_start = time.perf_counter()
                         try:
-                            decode = await decode_leg()
+                            decode = await asyncio.shield(opening)
                         except OpenAIError as e:
                             yield error_event(e)
                             return
@@ -251,6 +259,10 @@ def build_proxy_app(
                             yield chunk
                     finally:
                         in_flight.discard(request_id)
+                        if decode is None:
+                            closing = asyncio.create_task(close_unread(opening))
+                            background.add(closing)
+                            closing.add_done_callback(background.discard)
 
                 return StreamingResponse(
                     relay_after_first(), media_type="text/event-stream", headers=out_headers

@@ -4,6 +4,7 @@ once more to another decode instance: the client has seen nothing of it yet."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -77,3 +78,12 @@ async def open_decode(
             except OpenAIError:
                 break
     raise error
+
+
+async def close_unread(opening: asyncio.Task[DecodeLeg]) -> None:
+    """Close a leg the client left before reading it, once it is open (a failed one is done)."""
+    try:
+        leg = await opening
+    except OpenAIError:
+        return
+    await leg.close()
