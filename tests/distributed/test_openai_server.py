@@ -586,3 +586,57 @@ def test_server_info_has_what_routers_read(server: RemoteServer) -> None:
     assert config["kv_events_config"] is None
     text = httpx.get(f"{server.url}/server_info").json()["vllm_config"]
     assert isinstance(text, str) and "block_size" in text
+
+
+UNSUPPORTED_ON = [
+    (
+        "chat",
+        "response_format",
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+    ),
+    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "structured_outputs", {"choice": ["yes", "no"]}),
+    ("completions", "structured_outputs", {"regex": "[a-z]+"}),
+    ("chat", "guided_json", {"type": "object"}),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("chat", "tool_choice", "required"),
+    ("completions", "logit_bias", {"5": 10}),
+    ("completions", "best_of", 3),
+    ("completions", "use_beam_search", True),
+    ("completions", "suffix", " and so on"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "field", "value"), UNSUPPORTED_ON)
+def test_a_field_not_implemented_yet_is_refused_by_name(
+    server: RemoteServer, model: str, endpoint: str, field: str, value: object
+) -> None:
+    """Never a 200 that silently ignores it (prose for a schema, no call for a named tool)."""
+    body: dict = {"model": model, "max_tokens": 2, field: value}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+        url = f"{server.url}/v1/chat/completions"
+    else:
+        body["prompt"] = "hi"
+        url = f"{server.url}/v1/completions"
+    resp = httpx.post(url, json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == field and "not supported by pdserve yet" in error["message"]
+
+
+def test_a_field_sent_off_is_accepted(server: RemoteServer, model: str) -> None:
+    """What client libraries send as defaults leaves the features off: no refusal."""
+    client = server.client()
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        response_format={"type": "text"},
+        tool_choice="none",
+        tools=[],
+    )
+    assert chat.choices[0].finish_reason == "length"
+    completion = client.completions.create(model=model, prompt="hi", max_tokens=2, best_of=1)
+    assert completion.choices[0].finish_reason == "length"

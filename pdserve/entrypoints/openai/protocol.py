@@ -1,17 +1,44 @@
 """Request bodies of the OpenAI API (the fields pdserve honours) and their SamplingParams.
 
 Unknown fields are ignored, as OpenAI's clients send some this server has no use for; a known
-field of the wrong type or out of range is a 400 that names it.
+field of the wrong type or out of range is a 400 that names it. So is a field of OpenAI's API or
+vLLM's that pdserve does not implement yet, when the request turns it on: answering without it
+would look like success (prose for a JSON schema, no tool call for a named tool).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from pdserve.kv_connector.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
+
+# Not implemented yet, with the values that leave them off (what a client library may send as a
+# default); any other value is refused, naming the field.
+_NOT_YET: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "response_format": ("structured outputs", (None, {"type": "text"})),
+    "structured_outputs": ("structured outputs", (None,)),
+    "guided_json": ("structured outputs", (None,)),
+    "guided_regex": ("structured outputs", (None,)),
+    "guided_choice": ("structured outputs", (None,)),
+    "guided_grammar": ("structured outputs", (None,)),
+    "guided_decoding_backend": ("structured outputs", (None,)),
+    "structural_tag": ("structured outputs", (None,)),
+    "tools": ("tool calling", (None, [])),
+    "tool_choice": ("tool calling", (None, "none", "auto")),
+    "functions": ("tool calling", (None, [])),
+    "function_call": ("tool calling", (None, "none", "auto")),
+    "logit_bias": ("logit bias", (None, {})),
+    "bad_words": ("bad words", (None, [])),
+    "allowed_token_ids": ("allowed token ids", (None,)),
+    "use_beam_search": ("beam search", (None, False)),
+    "best_of": ("best_of", (None, 1)),
+    "suffix": ("suffix", (None, "")),
+    "truncate_prompt_tokens": ("prompt truncation", (None,)),
+}
 
 
 class StreamOptions(BaseModel):
@@ -43,6 +70,40 @@ class _SamplingRequest(BaseModel):
     # vLLM's extension: the prompt tokens' logprobs, that many alternatives each.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     kv_transfer_params: KVTransferParams | None = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    structural_tag: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    use_beam_search: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    truncate_prompt_tokens: Any = None
+
+    @field_validator(*_NOT_YET)
+    @classmethod
+    def _refuse_what_is_not_implemented(cls, value: Any, info: ValidationInfo) -> Any:
+        feature, off = _NOT_YET[info.field_name]  # type: ignore[index]
+        if any(value == v and type(value) is type(v) for v in off):
+            return value
+        raise PydanticCustomError(
+            "not_supported",
+            "is not supported by pdserve yet ({feature}); leave it out or send {off}",
+            {
+                "feature": feature,
+                "off": " or ".join(repr(v) for v in off if v is not None) or "null",
+            },
+        )
 
     @field_validator("kv_transfer_params", mode="before")
     @classmethod
