@@ -41,8 +41,9 @@ def test_sigterm_drains_then_exits(model: str) -> None:
         threads = [threading.Thread(target=long_request) for _ in range(6)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 10
-        while server.metric("num_requests_running") < 1 and time.monotonic() < deadline:
+        # All six admitted before the signal: a request arriving after it is refused.
+        deadline = time.monotonic() + 30
+        while server.metric("num_requests_running") < 6 and time.monotonic() < deadline:
             time.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)
         health = httpx.get(f"{server.url}/health", timeout=5)
