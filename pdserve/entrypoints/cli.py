@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.entrypoints.proxy import add_proxy_args
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    serve.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` takes it"
+    )
     add_engine_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -233,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "launch":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.instance_args = extra
+    if getattr(args, "model_tag", None) is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     # Engine and worker processes read it from the environment they inherit.
     os.environ["PDSERVE_LOG_LEVEL"] = args.log_level.upper()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -640,3 +640,40 @@ def test_a_field_sent_off_is_accepted(server: RemoteServer, model: str) -> None:
     assert chat.choices[0].finish_reason == "length"
     completion = client.completions.create(model=model, prompt="hi", max_tokens=2, best_of=1)
     assert completion.choices[0].finish_reason == "length"
+
+
+def test_tokenize_and_detokenize(server: RemoteServer, model: str) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = tokenizer.encode(PROMPTS[1])
+    got = httpx.post(
+        f"{server.url}/tokenize",
+        json={"model": model, "prompt": PROMPTS[1], "return_token_strs": True},
+    ).json()
+    assert got["tokens"] == ids and got["count"] == len(ids)
+    assert got["max_model_len"] == MAX_MODEL_LEN
+    assert got["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    messages = [{"role": "user", "content": "hello"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": messages}).json()
+    rendered = httpx.post(
+        f"{server.url}/v1/chat/completions/render", json={"model": model, "messages": messages}
+    ).json()
+    assert chat["tokens"] == rendered["token_ids"] and chat["token_strs"] is None
+    text = httpx.post(f"{server.url}/detokenize", json={"model": model, "tokens": ids}).json()
+    assert text == {"prompt": tokenizer.decode(ids)}
+    both = httpx.post(
+        f"{server.url}/tokenize", json={"model": model, "prompt": "a", "messages": messages}
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    outside = httpx.post(f"{server.url}/detokenize", json={"model": model, "tokens": [10**7]})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    wrong = httpx.post(f"{server.url}/tokenize", json={"model": "nope", "prompt": "a"})
+    assert wrong.status_code == 404
+
+
+def test_serve_takes_the_model_as_vllm_serve_does(tiny_model: Callable[[str], str]) -> None:
+    model = tiny_model("llama")
+    with RemoteServer(["serve", model, "--dtype", "float32"]) as s:
+        assert s.client().models.list().data[0].id == model
+        assert s.stop() == []

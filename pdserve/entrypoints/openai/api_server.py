@@ -28,8 +28,14 @@ from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.entrypoints.openai.drain import Drain
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pdserve.entrypoints.openai.serving import OpenAIServing, Prompt, RequestFailedError
+from pdserve.entrypoints.openai.tokenization import detokenize, tokenize
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -217,6 +223,16 @@ def build_app(
             }
             for i, (prompt, params) in enumerate(prepared)
         ]
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(body: TokenizeRequest) -> dict[str, Any]:
+        serving.check_model(body.model)
+        return tokenize(engine, body)
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(body: DetokenizeRequest) -> dict[str, Any]:
+        serving.check_model(body.model)
+        return detokenize(engine, body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
