@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.entrypoints.openai.errors import OpenAIError, error_responses
 from pdserve.entrypoints.proxy_decode_leg import DecodeLeg, close_unread, open_decode
 from pdserve.entrypoints.proxy_instances import (
     InstancePool,
@@ -317,15 +317,15 @@ def build_proxy_app(
         finally:
             metrics.requests_by_path.labels(*served).inc()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=error_responses(400, 401, 404, 502, 503))
     async def completions(request: Request) -> Response:
         return await handle(request, "completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=error_responses(400, 401, 404, 502, 503))
     async def chat_completions(request: Request) -> Response:
         return await handle(request, "chat/completions")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401, 503))
     async def models(request: Request) -> Response:
         instance = pools["decode"].pick()
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
@@ -335,11 +335,15 @@ def build_proxy_app(
             raise upstream_error(instance, e) from None
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+    )
     async def metrics_page() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "Nothing can serve."}})
     async def health() -> JSONResponse:
         status = {role: router.status() for role, router in routers.items()}
         up = {role: any(i["healthy"] for i in s) for role, s in status.items()}

@@ -677,3 +677,20 @@ def test_serve_takes_the_model_as_vllm_serve_does(tiny_model: Callable[[str], st
     with RemoteServer(["serve", model, "--dtype", "float32"]) as s:
         assert s.client().models.list().data[0].id == model
         assert s.stop() == []
+
+
+def test_openapi_schema_says_what_the_server_does(server: RemoteServer) -> None:
+    schema = httpx.get(f"{server.url}/openapi.json")
+    assert schema.status_code == 200  # kv_transfer_params' struct once made it a 500
+    paths = schema.json()["paths"]
+    completions = paths["/v1/completions"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "503"} <= set(completions) and "422" not in completions
+    metrics_types = list(paths["/metrics"]["get"]["responses"]["200"]["content"])
+    assert all(t.startswith("text/plain") for t in metrics_types), metrics_types
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200 and health.content == b""
+    assert "application/json" not in health.headers.get("content-type", "")
+    assert "text/plain" in httpx.get(f"{server.url}/metrics").headers["content-type"]
+    wrong = httpx.get(f"{server.url}/v1/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["type"] == "MethodNotAllowedError"

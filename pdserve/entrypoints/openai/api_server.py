@@ -18,7 +18,7 @@ import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,7 +27,7 @@ from pdserve import envs
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.entrypoints.openai.drain import Drain
-from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.entrypoints.openai.errors import OpenAIError, error_responses, without_validation_422
 from pdserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -124,7 +124,10 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(OpenAIError(e.status_code, str(e.detail)))
+        # Starlette's own answers (404 no route, 405 with its Allow header) keep their headers.
+        response = error_response(OpenAIError(e.status_code, str(e.detail)))
+        response.headers.update(e.headers or {})
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
@@ -172,7 +175,7 @@ def build_app(
                 await serving.release_if_rejected(body, rid)
             raise
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=error_responses(400, 401, 404, 503))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         rid = request_id_of(request)
         return await refusing(
@@ -186,7 +189,7 @@ def build_app(
             ),
         )
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=error_responses(400, 401, 404, 503))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         rid = request_id_of(request)
         return await refusing(
@@ -200,13 +203,13 @@ def build_app(
             ),
         )
 
-    @app.post("/v1/completions/render")
+    @app.post("/v1/completions/render", responses=error_responses(400, 401, 404))
     async def completions_render(body: CompletionRequest, request: Request) -> list[dict]:
         """What each prompt would run as, without running it (vLLM's render endpoint):
         routers tokenize through it to score prefixes."""
         return render(request_id_of(request), serving.prepare_completion(body), body.stream)
 
-    @app.post("/v1/chat/completions/render")
+    @app.post("/v1/chat/completions/render", responses=error_responses(400, 401, 404))
     async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict:
         return render(request_id_of(request), serving.prepare_chat(body), body.stream)[0]
 
@@ -224,17 +227,17 @@ def build_app(
             for i, (prompt, params) in enumerate(prepared)
         ]
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(400, 401, 404))
     async def tokenize_endpoint(body: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         return tokenize(engine, body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(400, 401, 404))
     async def detokenize_endpoint(body: DetokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         return detokenize(engine, body)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:
         card = {
             "id": model_name,
@@ -244,7 +247,17 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "Serving (an empty body)."},
+            503: {
+                "description": "Draining, or the engine is dead (the reason).",
+                "content": {"application/json": {}},
+            },
+        },
+    )
     async def health() -> Response:
         if engine.dead_reason is not None:
             return error_response(OpenAIError(503, engine.dead_reason))
@@ -252,18 +265,22 @@ def build_app(
             return JSONResponse({"status": "draining"}, status_code=503)
         return Response(status_code=200)
 
-    @app.get("/server_info")
+    @app.get("/server_info", responses=error_responses(401))
     async def server_info(config_format: str = "text") -> dict[str, Any]:
         """The engine's configuration (vLLM's endpoint): routers read the block size and the
         KV events' endpoints from it."""
         config = engine.config.to_json()
         return {"vllm_config": config if config_format == "json" else json.dumps(config)}
 
-    @app.get("/version")
+    @app.get("/version", responses=error_responses(401))
     async def version() -> dict[str, str]:
         return {"version": pdserve.__version__}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, **error_responses(401)},
+    )
     async def metrics() -> Response:
         if engine.dead_reason is None:
             # Fresh numbers: the engine only reports by itself when it does something.
@@ -273,6 +290,8 @@ def build_app(
                 pass
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    openapi = app.openapi
+    app.openapi = lambda: without_validation_422(openapi())  # type: ignore[method-assign]
     return app
 
 

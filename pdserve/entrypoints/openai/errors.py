@@ -4,12 +4,44 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    502: "BadGatewayError",
     503: "ServiceUnavailableError",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, as the OpenAPI schema declares it."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's error answers for its OpenAPI schema (`responses=`)."""
+    return {status: {"model": ErrorResponse, "description": _TYPES[status]} for status in statuses}
+
+
+def without_validation_422(schema: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI declares 422 for a bad body; pdserve answers 400 (OpenAI's, declared per route)."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    return schema
 
 
 class OpenAIError(Exception):

@@ -8,9 +8,16 @@ would look like success (prose for a JSON schema, no tool call for a named tool)
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from pdserve.kv_connector.params import KVTransferParams
@@ -69,7 +76,11 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     # vLLM's extension: the prompt tokens' logprobs, that many alternatives each.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
-    kv_transfer_params: KVTransferParams | None = None
+    # A msgspec struct, which the validator builds; the schema shows the JSON object it takes.
+    kv_transfer_params: Annotated[
+        KVTransferParams | None,
+        WithJsonSchema({"type": ["object", "null"], "description": "vLLM's kv_transfer_params"}),
+    ] = None
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
