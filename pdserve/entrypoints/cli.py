@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from pdserve.unsupported import UNSUPPORTED_FEATURES
 
@@ -16,6 +17,11 @@ DEMO_PROMPTS = [
     "Name three primary colors.",
     "Write one sentence about the ocean.",
 ]
+
+
+def _vllm_serve_flags() -> set[str]:
+    path = Path(__file__).with_name("vllm_serve_flags.txt")
+    return {line for line in path.read_text().splitlines() if line and not line.startswith("#")}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -234,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "launch":
+        vllm_only = [a.split("=")[0] for a in extra if a.split("=")[0] in _vllm_serve_flags()]
+        if vllm_only:
+            parser.error(
+                f"{', '.join(vllm_only)}: vLLM flag(s) pdserve does not support (yet); "
+                "docs/serving.md lists the ones it takes"
+            )
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.instance_args = extra
     if getattr(args, "model_tag", None) is not None:

@@ -62,3 +62,22 @@ def test_cli_off_flags_reach_the_config_as_off():
     args = parser.parse_args(["--no-enable-lora", "--runner", "generate"])
     kwargs = cli.engine_kwargs(args)
     assert all(kwargs[f.arg] in f.off for f in FEATURES)
+
+
+def test_a_vllm_flag_pdserve_lacks_is_named_not_unrecognized(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--gpu-memory-utilization", "0.9", "--trust-remote-code"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gpu-memory-utilization, --trust-remote-code: vLLM flag(s) pdserve does not" in err
+    assert "unrecognized" not in err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--no-such-flag"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_the_vllm_flag_list_holds_the_flags_pdserve_takes():
+    """Its flags with vLLM's names are vLLM's (the list is vLLM 0.32's `serve` flags)."""
+    flags = cli._vllm_serve_flags()
+    for flag in ("--kv-transfer-config", "--kv-events-config", "--max-model-len", "--block-size"):
+        assert flag in flags
