@@ -694,3 +694,17 @@ def test_openapi_schema_says_what_the_server_does(server: RemoteServer) -> None:
     wrong = httpx.get(f"{server.url}/v1/completions")
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["type"] == "MethodNotAllowedError"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", 2.5), ("skip_special_tokens", "true"), ("prompt", [[1, 2.0]]), ("n", "1")],
+)
+def test_a_value_of_another_type_is_not_coerced(
+    server: RemoteServer, model: str, field: str, value: object
+) -> None:
+    """What the schema says is what is taken: no "true" for a bool, no 2.0 for a token id."""
+    body = {"model": model, "prompt": "hi", "max_tokens": 2, field: value}
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"].split(".")[0] == field

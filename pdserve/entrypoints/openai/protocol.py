@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API (the fields pdserve honours) and their SamplingParams.
 
 Unknown fields are ignored, as OpenAI's clients send some this server has no use for; a known
-field of the wrong type or out of range is a 400 that names it. So is a field of OpenAI's API or
+field of the wrong type (strictly: no coercion) or out of range is a 400 that names it. So is a field of OpenAI's API or
 vLLM's that pdserve does not implement yet, when the request turns it on: answering without it
 would look like success (prose for a JSON schema, no tool call for a named tool).
 """
@@ -48,13 +48,19 @@ _NOT_YET: dict[str, tuple[str, tuple[Any, ...]]] = {
 }
 
 
+# Strict: a field's value is taken only as its declared type (no "true" for a bool, no 1.5 for
+# a token id), as the OpenAPI schema says; an int is still a float.
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
     # kv_transfer_params is a msgspec struct, which the validator builds.
-    model_config = ConfigDict(extra="ignore", arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="ignore", strict=True, arbitrary_types_allowed=True)
 
     model: str | None = None
     n: int = 1
@@ -171,7 +177,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -200,7 +206,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or chat messages under the model's template."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     prompt: str | None = None
@@ -211,7 +217,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     tokens: list[int]
