@@ -233,7 +233,7 @@ def build_proxy_app(
             ):
                 # The prefill instance's token goes to the client now, before the decode leg;
                 # the decode instance's stream follows without it.
-                first = first_token_events(leg.hop_answer, endpoint)
+                first = first_token_events(leg.hop_answer, endpoint, body.get("stream_options"))
                 out_headers["Server-Timing"] = first_from_prefill_leg()
 
                 async def relay_after_first() -> AsyncIterator[bytes]:

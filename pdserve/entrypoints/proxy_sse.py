@@ -12,6 +12,14 @@ from pdserve.entrypoints.openai.errors import OpenAIError
 
 def as_stream(answer: dict[str, Any], endpoint: str, include_usage: bool) -> list[str]:
     """A whole answer as the SSE events a stream of it would have been."""
+    events = _chunks(answer, endpoint)
+    if include_usage and "usage" in answer:
+        head = {k: v for k, v in events[0].items() if k != "choices"}
+        events.append({**head, "choices": [], "usage": answer["usage"]})
+    return [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
+
+
+def _chunks(answer: dict[str, Any], endpoint: str) -> list[dict[str, Any]]:
     head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
     events = []
     if endpoint == "completions":
@@ -24,14 +32,17 @@ def as_stream(answer: dict[str, Any], endpoint: str, include_usage: bool) -> lis
             delta = {"content": (c.get("message") or {}).get("content") or ""}
             rest = {k: v for k, v in c.items() if k not in ("message", "index")}
             events.append({**head, "choices": [{"index": c["index"], "delta": delta, **rest}]})
-    if include_usage and "usage" in answer:
-        events.append({**head, "choices": [], "usage": answer["usage"]})
-    return [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
+    return events
 
 
-def first_token_events(hop_answer: dict[str, Any], endpoint: str) -> bytes:
+def first_token_events(
+    hop_answer: dict[str, Any], endpoint: str, stream_options: dict[str, Any] | None
+) -> bytes:
     """The prefill instance's one-token answer (one choice) as the events that open the decode
-    instance's stream of the request: the same chunks, the request not finished."""
+    instance's stream of the request: the same chunks, the request not finished; with vLLM's
+    continuous_usage_stats, each with the usage so far."""
+    options = stream_options or {}
+    continuous_usage = options.get("include_usage") and options.get("continuous_usage_stats")
     (choice,) = hop_answer["choices"]
     if endpoint == "completions":
         choice = {**choice, "finish_reason": None, "stop_reason": None}
@@ -43,8 +54,22 @@ def first_token_events(hop_answer: dict[str, Any], endpoint: str) -> bytes:
             "logprobs": choice.get("logprobs"),
             "finish_reason": None,
         }
-    events = as_stream({**hop_answer, "choices": [choice]}, endpoint, include_usage=False)
-    return "".join(events[:-1]).encode()  # not [DONE]: the decode instance's stream goes on
+    events = _chunks({**hop_answer, "choices": [choice]}, endpoint)
+    usage = hop_answer.get("usage")
+    if continuous_usage and usage is not None:
+        prompt = usage["prompt_tokens"]
+        # Chat's role chunk comes before any token, as a single instance counts it.
+        before_token = {
+            "prompt_tokens": prompt,
+            "completion_tokens": 0,
+            "total_tokens": prompt,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        for event in events:
+            delta = event["choices"][0].get("delta") or {}
+            event["usage"] = before_token if "role" in delta else usage
+    # Not [DONE]: the decode instance's stream goes on.
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
 
 
 def error_event(error: OpenAIError) -> bytes:

@@ -261,3 +261,32 @@ def test_a_stream_through_the_split_is_a_single_instance_stream(
     assert servers["decode"].metric("kv_transfers_total") == transfers + 1
     assert len(through) == len(single) == MAX_TOKENS + 1 + (endpoint != "completions")
     assert _close(through, single), (through, single)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_continuous_usage_through_the_split_counts_as_one_instance(
+    servers: dict[str, RemoteServer], split: RemoteServer, model: str, endpoint: str
+) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far, the
+    proxy's own first-token chunks too; prompt and completion counts as one instance's."""
+    body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    body |= {
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if endpoint == "completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": "Say something long."}]
+
+    def counts(url: str) -> list[tuple[int, int]]:
+        events = _events(url, endpoint, body)
+        assert all("usage" in e for e in events), events
+        return [(e["usage"]["prompt_tokens"], e["usage"]["completion_tokens"]) for e in events]
+
+    single, through = counts(servers["plain"].url), counts(split.url)
+    assert through == single
+    prompt = single[0][0]
+    tokens = list(range(1, MAX_TOKENS + 1))
+    role = [(prompt, 0)] if endpoint != "completions" else []
+    assert single == role + [(prompt, n) for n in tokens] + [(prompt, MAX_TOKENS)]

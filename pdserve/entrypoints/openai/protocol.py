@@ -56,6 +56,12 @@ _STRICT = ConfigDict(extra="ignore", strict=True)
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
+
+    @staticmethod
+    def continuous(options: StreamOptions | None) -> bool:
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 class _SamplingRequest(BaseModel):

@@ -12,7 +12,11 @@ from typing import Any
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+)
 from pdserve.kv_connector.params import KV_LOAD_FAILED, KVTransferParams
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
@@ -285,6 +289,7 @@ class OpenAIServing:
             "model": self.model_name,
         }
         counts = _UsageCounter()
+        continuous = StreamOptions.continuous(req.stream_options)
         # Each choice's text so far (its first chunk echoes the prompt), for text_offset.
         sent_chars: dict[int, int] = {}
         # A DELTA stream has a prompt's logprobs once, with its first output that has them.
@@ -310,7 +315,10 @@ class OpenAIServing:
                     sent_chars.get(index, 0),
                 )
                 sent_chars[index] = sent_chars.get(index, 0) + len(choice["text"])
-                yield sse({**head, "choices": [choice]})
+                chunk = {**head, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = counts.usage()
+                yield sse(chunk)
         if req.stream_options and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": counts.usage()})
         yield "data: [DONE]\n\n"
@@ -446,11 +454,13 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": self.model_name,
         }
+        continuous = StreamOptions.continuous(req.stream_options)
         for index in range(req.n):
             delta = {"role": "assistant", "content": ""}
-            yield sse(
-                {**head, "choices": [{"index": index, "delta": delta, "finish_reason": None}]}
-            )
+            chunk = {**head, "choices": [{"index": index, "delta": delta, "finish_reason": None}]}
+            if continuous:  # vLLM's: the prompt is counted from the first chunk on
+                chunk["usage"] = _usage(len(prompts[0][0]["prompt_token_ids"]), 0, 0)
+            yield sse(chunk)
         counts = _UsageCounter()
         async for i, out in _reporting_errors(stream):
             if isinstance(out, str):
@@ -467,7 +477,10 @@ class OpenAIServing:
                     "logprobs": self._chat_logprobs(c, req.top_logprobs or 0),
                     "finish_reason": c.finish_reason,
                 }
-                yield sse({**head, "choices": [choice]})
+                chunk = {**head, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = counts.usage()
+                yield sse(chunk)
         if req.stream_options and req.stream_options.include_usage and counts.prompt:
             yield sse({**head, "choices": [], "usage": counts.usage()})
         yield "data: [DONE]\n\n"

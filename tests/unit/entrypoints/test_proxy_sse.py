@@ -36,11 +36,11 @@ def _events(raw: bytes) -> list[dict | str]:
 
 
 def test_first_token_events_are_the_chunks_a_stream_opens_with() -> None:
-    completion = _events(first_token_events(_hop("completions"), "completions"))
+    completion = _events(first_token_events(_hop("completions"), "completions", None))
     choice = {"index": 0, "text": "a", "logprobs": LOGPROBS, "token_ids": [5]}
     choice |= {"finish_reason": None, "stop_reason": None}
     assert completion == [{**HEAD, "object": "text_completion", "choices": [choice]}]
-    chat = _events(first_token_events(_hop("chat/completions"), "chat/completions"))
+    chat = _events(first_token_events(_hop("chat/completions"), "chat/completions", None))
     head = {**HEAD, "object": "chat.completion.chunk"}
     role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
     token = {"index": 0, "delta": {"content": "a"}, "token_ids": [5], "logprobs": None}
