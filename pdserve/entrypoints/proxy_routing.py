@@ -88,18 +88,19 @@ class InstanceCache:
                 return i
         return len(hashes)
 
-    def note_routed(self, hashes: list[int], expiry: float) -> None:
+    def note_routed(self, hashes: list[int], now: float, ttl_s: float) -> None:
         if self.from_events is None:
             routed = self.routed
+            expiry = now + ttl_s
             for h in hashes:
                 routed[h] = expiry
-            if len(routed) > 4 * _MAX_PRESUMED_BLOCKS:
-                self.routed = {h: e for h, e in routed.items() if e >= expiry - _TTL_SLACK_S}
+            if len(routed) > _MAX_PRESUMED_BLOCKS:
+                self.routed = {h: e for h, e in routed.items() if e >= now}
 
 
-# Bounds the map of routed blocks when events are off: far above any instance's block count.
+# Bounds the map of routed blocks when events are off (expired ones are dropped past it): far
+# above any instance's block count.
 _MAX_PRESUMED_BLOCKS = 1 << 20
-_TTL_SLACK_S = 1.0
 _DISCOVERY_INTERVAL_S = 2.0
 
 
@@ -157,7 +158,7 @@ class Router:
             # Nothing cached where it may go: round robin among the least loaded.
             best = self.pool.pick(among=[i for i in candidates if i.in_flight == least])
         if hashes:
-            self.caches[best.url].note_routed(hashes, time.monotonic() + self.config.cache_ttl_s)
+            self.caches[best.url].note_routed(hashes, time.monotonic(), self.config.cache_ttl_s)
         return Route(best, matched)
 
     def status(self) -> list[dict[str, Any]]:

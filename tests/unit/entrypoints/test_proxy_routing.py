@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.distributed.kv_event_subscriber import CachedBlocks
 from pdserve.distributed.kv_events import external_block_hash
+from pdserve.entrypoints import proxy_routing
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.proxy_instances import InstancePool
 from pdserve.entrypoints.proxy_routing import (
@@ -129,3 +130,14 @@ def test_bad_flags_are_named() -> None:
         RoutingConfig(min_uncached_tokens=-1)
     with pytest.raises(ValueError, match="--routing-cache-ttl"):
         RoutingConfig(cache_ttl_s=0)
+
+
+def test_presumed_blocks_are_pruned_of_expired_ones(
+    pool: InstancePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(proxy_routing, "_MAX_PRESUMED_BLOCKS", 4)
+    cache = proxy_routing.InstanceCache()
+    cache.note_routed([1, 2, 3], now=0.0, ttl_s=10.0)
+    cache.note_routed([4, 5], now=20.0, ttl_s=10.0)  # 5 entries: 1-3 have expired
+    assert set(cache.routed) == {4, 5}
+    assert cache.matched([4, 5], now=21.0) == 2 and cache.matched([1], now=21.0) == 0
