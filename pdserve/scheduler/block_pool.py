@@ -155,7 +155,8 @@ class BlockPool:
         `token_ids` (the request's) only feed the block-stored events."""
         assert len(block_hashes) >= num_full_blocks
         index = self.cached_block_hash_to_block
-        stored: list[int] = []
+        # Which blocks joined the index, kept only for the events.
+        stored: list[int] | None = [] if self.events is not None else None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             assert block.block_hash is None, f"block {block.block_id} is already cached"
@@ -166,8 +167,9 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             index[block_hash] = block
-            stored.append(i)
-        if self.events is not None and stored:
+            if stored is not None:
+                stored.append(i)
+        if stored:
             self._stored_events(block_hashes, stored, token_ids)
 
     def _stored_events(
