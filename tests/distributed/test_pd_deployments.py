@@ -63,6 +63,8 @@ def test_two_prefill_two_decode_with_decode_tp2(tiny_model: Callable[[str], str]
             "2",
             "--decode-tp",
             "2",
+            "--pd-min-uncached-tokens",  # short prompts through the split too
+            "0",
         ],
         startup_timeout=600,
     ) as proxy:
@@ -91,7 +93,9 @@ def test_300_concurrent_requests(tiny_model: Callable[[str], str]) -> None:
     model = tiny_model("llama")
     prompts = [f"concurrent {i} " + "x " * (i % 40) for i in range(300)]
     reference = _greedy(model, prompts, 6)
-    with RemoteServer(["launch", "--model", model, "--dtype", "float32"]) as proxy:
+    # Short prompts through the split too (the proxy would let decode prefill them).
+    launch = ["launch", "--model", model, "--dtype", "float32", "--pd-min-uncached-tokens", "0"]
+    with RemoteServer(launch) as proxy:
         results = asyncio.run(_complete_all(proxy, model, prompts, 6))
         errors = [r for r in results if isinstance(r, BaseException)]
         assert not errors, errors[:3]
@@ -201,7 +205,7 @@ def test_default_model_through_proxy_matches_single_instance() -> None:
         ]
     finally:
         single.stop()
-    with RemoteServer(["launch"], startup_timeout=900) as proxy:
+    with RemoteServer(["launch", "--pd-min-uncached-tokens", "0"], startup_timeout=900) as proxy:
         client = proxy.client(timeout=300)
         for i, p in enumerate(prompts):
             messages = [{"role": "user", "content": p}]
