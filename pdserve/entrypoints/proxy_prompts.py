@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pdserve.engine.input_processor import render_chat
-from pdserve.entrypoints.openai.protocol import ChatCompletionRequest
+from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.models import loader
 
 logger = logging.getLogger(__name__)
@@ -39,13 +39,11 @@ class PromptTokens:
             if endpoint == "chat/completions":
                 messages = ChatCompletionRequest.model_validate(body).conversation()
                 return render_chat(self.tokenizer, messages)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                prompt = prompt[0]  # a batch: its first prompt speaks for it
-            if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt
-        except (ValidationError, ValueError, TypeError) as e:
+            # A batch: its first prompt speaks for it.
+            first = CompletionRequest.model_validate(body).prompts()[0]
+            if isinstance(first, str):
+                return self.tokenizer.encode(first)
+            return list(first["prompt_token_ids"])
+        except (ValidationError, ValueError, TypeError, IndexError) as e:
             logger.debug("No prompt tokens for routing: %s", e)
         return []

@@ -53,11 +53,10 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         check_choice("--routing", self.policy, ROUTING_POLICIES)
-        if self.max_load_imbalance < 0:
-            raise ValueError(f"--max-load-imbalance must be >= 0, got {self.max_load_imbalance}.")
         if self.cache_ttl_s <= 0:
             raise ValueError(f"--routing-cache-ttl must be > 0, got {self.cache_ttl_s}.")
         for flag, value in (
+            ("--max-load-imbalance", self.max_load_imbalance),
             ("--pd-min-uncached-tokens", self.min_uncached_tokens),
             ("--pd-max-prefill-in-flight", self.max_prefill_in_flight),
         ):
