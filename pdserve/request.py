@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from pdserve.kv_connector.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.structured_output.manager import StructuredOutputRequest
 
 
 class FinishReason(enum.IntEnum):
@@ -112,6 +116,8 @@ class Request:
         # Owned by the KV cache manager: while computed + scheduled tokens stay below this,
         # the request's blocks have every slot it needs and no block of it is to be cached.
         self.next_kv_boundary = 0
+        # Structured outputs: its grammar and matcher (structured_output/manager.py).
+        self.structured_output: StructuredOutputRequest | None = None
 
     @property
     def num_output_tokens(self) -> int:

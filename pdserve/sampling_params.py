@@ -2,9 +2,51 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import msgspec
 
 _GREEDY_EPS = 1e-5
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """vLLM's structured outputs: exactly one constraint, which every generated token obeys.
+
+    `json` a JSON schema (a dict or its JSON text; kept as text), `regex` a regular
+    expression, `choice` one of these strings, `grammar` an EBNF grammar (xgrammar's dialect,
+    GBNF-like), `json_object` any JSON object. `disable_any_whitespace` makes JSON compact.
+    Whether the constraint compiles is checked where requests come in
+    (structured_output/grammar.py), so a bad one is refused before it reaches the engine.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar or "
+                f"json_object; got {', '.join(kinds) or 'none'}."
+            )
+        if self.choice is not None and (not self.choice or any(not c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a list of non-empty strings.")
+
+    @property
+    def kind(self) -> str:
+        for kind in ("json", "regex", "choice", "grammar"):
+            if getattr(self, kind) is not None:
+                return kind
+        return "json_object"
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -35,6 +77,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

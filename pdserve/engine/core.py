@@ -21,10 +21,11 @@ from pdserve.executor.base import Executor
 from pdserve.executor.cpu_cores import instance_board
 from pdserve.kv_connector.factory import create_scheduler_connector
 from pdserve.outputs import EngineCoreOutput, ModelRunnerOutput
-from pdserve.request import RequestStatus
+from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.stats import SchedulerStats
+from pdserve.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from pdserve.kv_connector.params import KVTransferParams
@@ -58,6 +59,11 @@ class EngineCore:
             self.executor.shutdown()
             self.kv_connector.shutdown()
             raise
+        self.structured_output = StructuredOutputManager(
+            config.model_config, config.scheduler_config.max_num_seqs
+        )
+        # Constrained requests whose grammar is still compiling, in arrival order.
+        self.waiting_for_grammar: dict[str, Request] = {}
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
@@ -66,6 +72,7 @@ class EngineCore:
             config.use_v2_model_runner,
             kv_connector=self.kv_connector,
             enable_kv_cache_events=self.kv_events.publishes,
+            structured_output=self.structured_output,
         )
         self.batch_queue_size = self.executor.max_concurrent_batches
         # False when the last step had nothing to compute (only transfers to poll).
@@ -79,21 +86,51 @@ class EngineCore:
         check_prompt(
             request.prompt_token_ids + request.output_token_ids, mc.vocab_size, mc.max_model_len
         )
-        self.scheduler.add_request(request.to_request())
+        engine_request = request.to_request()
+        if engine_request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(engine_request)
+            return
+        if engine_request.request_id in self.waiting_for_grammar:
+            raise ValueError(f"Request id {engine_request.request_id!r} is already in use.")
+        self.structured_output.grammar_init(engine_request)
+        self.waiting_for_grammar[engine_request.request_id] = engine_request
+
+    def _schedule_compiled(self) -> list[EngineCoreOutput]:
+        """Hand the requests whose grammar is ready to the scheduler; those whose grammar
+        failed end with an error."""
+        failed = []
+        for req_id, request in list(self.waiting_for_grammar.items()):
+            try:
+                if not request.structured_output.compiled(request):  # type: ignore[union-attr]
+                    continue
+            except ValueError as e:
+                failed.append(
+                    EngineCoreOutput(
+                        req_id, [], finish_reason=int(FinishReason.ERROR), error=str(e)
+                    )
+                )
+            else:
+                self.scheduler.add_request(request)
+            del self.waiting_for_grammar[req_id]
+        return failed
 
     def abort_requests(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> None:
-        self.scheduler.finish_requests(list(request_ids), status)
+        request_ids = list(request_ids)
+        if self.waiting_for_grammar:
+            for req_id in request_ids:
+                self.waiting_for_grammar.pop(req_id, None)
+        self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.waiting_for_grammar)
 
     def _has_work(self) -> bool:
         # A step also runs to tell the workers which requests finished since the last one, and
         # to poll the connector's transfers.
         return (
-            self.scheduler.has_unfinished_requests()
+            self.has_unfinished_requests()
             or self.scheduler.has_finished_requests()
             or self.has_pending_transfers()
         )
@@ -128,7 +165,10 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         # While this instance has no requests, the others on its host may use its cores.
         self.cores.mark(self.scheduler.has_unfinished_requests())
+        failed = self._schedule_compiled() if self.waiting_for_grammar else []
         outputs = self.step_with_batch_queue() if self.batch_queue_size > 1 else self._step()
+        if failed:
+            outputs = failed + outputs
         self._publish_kv_events()
         self.cores.mark(self.scheduler.has_unfinished_requests())
         return outputs
@@ -170,3 +210,4 @@ class EngineCore:
         self.executor.shutdown()
         self.kv_connector.shutdown()
         self.kv_events.shutdown()
+        self.structured_output.shutdown()

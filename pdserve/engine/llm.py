@@ -16,6 +16,7 @@ from pdserve.engine.output_processor import OutputProcessor
 from pdserve.models import loader
 from pdserve.outputs import RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
+from pdserve.structured_output import grammar
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class LLM:
 
     def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
         assert self.engine_core is not None, "LLM is shut down"
+        if params.structured_outputs is not None:
+            grammar.check(params.structured_outputs)
         text, token_ids = self.input_processor.tokenize(prompt)
         request_id = str(next(self._request_counter))
         children = self.output_processor.add_request(

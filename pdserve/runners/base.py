@@ -26,9 +26,9 @@ from pdserve.runners.prompt_logprobs import (
     PromptLogprobsTracker,
     compute_prompt_logprobs,
 )
-from pdserve.runners.sampler import Sampler, SamplingMetadata
+from pdserve.runners.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.output import SchedulerOutput
+from pdserve.scheduler.output import GrammarBitmask, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +112,11 @@ class ModelRunnerBase:
         inputs: StepInputs,
         rows: list[SamplingRow],
         prompt_chunks: list[PromptChunk] | None = None,
+        grammar: tuple[GrammarBitmask, list[str]] | None = None,
     ) -> tuple[list[int], LogprobsLists | None]:
         """The step's tokens (and their logprobs); the prompt logprobs of `prompt_chunks` go to
-        `self.prompt_logprobs`."""
+        `self.prompt_logprobs`. `grammar`: the step's structured-outputs bitmask and the
+        request id of each row."""
         hidden = self._forward(inputs)
         if prompt_chunks and hidden is not None:
             prompt_rows = compute_prompt_logprobs(
@@ -129,7 +131,7 @@ class ModelRunnerBase:
             sampled = torch.empty(len(rows), dtype=torch.int64, device=self.device)
             logprobs = None
         else:
-            sampled, logprobs = self._sample(hidden, inputs, rows)
+            sampled, logprobs = self._sample(hidden, inputs, rows, grammar)
         if parallel_state.get_pp_world_size() > 1:
             parallel_state.broadcast_from_output_rank(sampled)
         return sampled.tolist(), logprobs
@@ -153,9 +155,15 @@ class ModelRunnerBase:
         return None
 
     def _sample(
-        self, hidden: torch.Tensor, inputs: StepInputs, rows: list[SamplingRow]
+        self,
+        hidden: torch.Tensor,
+        inputs: StepInputs,
+        rows: list[SamplingRow],
+        grammar: tuple[GrammarBitmask, list[str]] | None,
     ) -> tuple[torch.Tensor, LogprobsLists | None]:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if grammar is not None:
+            apply_grammar_bitmask(logits, *grammar)
         md = SamplingMetadata.from_params(
             [r.params for r in rows],
             [r.output_token_ids for r in rows],

@@ -11,12 +11,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from pdserve.kernels import sampling
 from pdserve.outputs import LogprobsLists
 from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.output import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -138,3 +140,41 @@ def apply_host_steps(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
         cols = [t for ids in md.min_tokens_blocked.values() for t in ids]
         logits[rows, cols] = float("-inf")
     return logits
+
+
+# -inf's bit pattern as the signed integer of the same width: a disallowed token's logit gets it
+# added, an allowed one's 0, without a branch per element (masked_fill is 3x slower on CPU).
+_NEG_INF_BITS = {
+    torch.float32: (torch.int32, -(2**23)),
+    torch.bfloat16: (torch.int16, -(2**7)),
+    torch.float16: (torch.int16, -(2**10)),
+}
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, grammar: GrammarBitmask, row_req_ids: list[str]
+) -> None:
+    """Structured outputs: -inf, in place, at the logits of the tokens each constrained row may
+    not sample. `row_req_ids`: the request of each logits row."""
+    row_of = {req_id: row for row, req_id in enumerate(row_req_ids)}
+    pairs = [(i, row_of[r]) for i, r in enumerate(grammar.req_ids) if r in row_of]
+    if not pairs:
+        return
+    vocab_size = logits.shape[-1]
+    words = np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(len(grammar.req_ids), -1)
+    mask_rows, rows = zip(*pairs)
+    words = words[list(mask_rows)]
+    if logits.is_cuda:
+        import xgrammar as xgr
+
+        full = torch.full((logits.shape[0], words.shape[1]), -1, dtype=torch.int32)
+        full[list(rows)] = torch.from_numpy(words)
+        xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=list(rows))
+        return
+    # Bit t % 32 of word t // 32 is token t: little-endian bytes unpacked little-endian bit
+    # first give the tokens in order.
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    int_dtype, neg_inf = _NEG_INF_BITS[logits.dtype]
+    bias = (torch.from_numpy(allowed).to(int_dtype) - 1).mul_(-neg_inf).view(logits.dtype)
+    index = torch.tensor(rows)
+    logits.index_add_(0, index, bias)

@@ -65,6 +65,15 @@ class CachedRequestData(msgspec.Struct, array_like=True):
         return cls([], set(), {}, [], [], [])
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True):
+    """Structured outputs: the tokens each of these requests may sample this step, one row
+    of ceil(vocab_size / 32) int32 words each (bit t % 32 of word t // 32 allows token t), as
+    xgrammar fills them."""
+
+    req_ids: list[str]
+    bitmask: bytes
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -75,6 +84,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     preempted_req_ids: set[str] | None = None
     # The connector's metadata, encoded by the scheduler and decoded by the worker connector.
     kv_connector_metadata: bytes | None = None
+    grammar_bitmask: GrammarBitmask | None = None
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

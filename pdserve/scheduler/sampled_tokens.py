@@ -74,6 +74,8 @@ def apply_sampled_tokens(
                 ended = check_stop(request, max_model_len)
             else:
                 ended = False
+        if request.structured_output is not None:
+            request.structured_output.accept(request.request_id, new_token_ids)
         if num_placeholders != 0:  # other steps in flight (or a token nobody expected)
             assert num_placeholders > 0, "a token the scheduler did not expect"
             # Blocks of tokens known only now: schedule() cached every known token, so only a

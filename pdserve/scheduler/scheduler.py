@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Container, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -43,6 +43,9 @@ from pdserve.scheduler.sampled_tokens import (
 from pdserve.scheduler.stats import SchedulerStats
 from pdserve.scheduler.step import StepDecisions, StepsInFlight, advance_requests
 
+if TYPE_CHECKING:
+    from pdserve.structured_output.manager import StructuredOutputManager
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,8 +59,12 @@ class Scheduler:
         use_v2_model_runner: bool,
         kv_connector: KVConnectorScheduler | None = None,
         enable_kv_cache_events: bool = False,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.max_model_len = max_model_len
+        # Structured outputs: the bitmask of each step's constrained requests comes from it.
+        self.structured_output = structured_output
+        self.num_structured_reqs = 0
         self.use_v2_model_runner = use_v2_model_runner
         # The no-op connector stands in for none, so no step asks whether there is one.
         self.connector = kv_connector or NoKVConnectorScheduler()
@@ -118,6 +125,9 @@ class Scheduler:
         # The engine rejects prompts longer than max_model_len before they get here.
         assert request.num_prompt_tokens <= self.max_model_len, "prompt longer than max_model_len"
         self.requests[request.request_id] = request
+        if request.structured_output is not None:
+            assert self.structured_output is not None, "a constrained request needs the manager"
+            self.num_structured_reqs += 1
         # One comparison in the stop check covers both length limits.
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         self.connector.on_new_request(request)
@@ -148,6 +158,9 @@ class Scheduler:
                 num_tokens += num_placeholders
                 if num_tokens >= request.max_num_tokens:
                     # The steps in flight already sample the last token the request may have.
+                    continue
+                if request.structured_output is not None:
+                    # Its next mask depends on the token in flight: it waits for it.
                     continue
             # At least 1: every step leaves a running request a token to compute (a placeholder
             # when it sampled). No sampled token passes max_model_len: a request ends at
@@ -233,6 +246,11 @@ class Scheduler:
         )
         scheduled_reqs = step.scheduled_reqs
         self._update_after_schedule(step, scheduled_reqs)
+        if self.num_structured_reqs:
+            # After the advance: a placeholder marks each request that samples this step.
+            scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(  # type: ignore[union-attr]
+                scheduled_reqs
+            )
         self._steps_in_flight.push(scheduler_output, scheduled_reqs, step.req_ids)
         return scheduler_output
 
@@ -340,6 +358,8 @@ class Scheduler:
     ) -> dict[str, Any] | None:
         """Finish a request; its blocks wait if the connector still sends (or receives) them."""
         assert request.is_finished()
+        if request.structured_output is not None:
+            self.num_structured_reqs -= 1
         delay, kv_transfer_params = self.connector.request_finished(
             request, self.kv_cache_manager.get_block_ids(request.request_id)
         )

@@ -194,3 +194,27 @@ def hf_greedy(
             token_ids.append(int(hf_logits(model, token_ids)[-1].argmax()))
         outputs.append(token_ids[len(prompt) :])
     return outputs
+
+
+def hf_greedy_constrained(
+    path: Path, prompt_token_ids: list[int], compiled_grammar: Any, max_new_tokens: int
+) -> list[int]:
+    """HF transformers' greedy continuation under an xgrammar grammar, masked by xgrammar's
+    own kernel: the reference for structured outputs. Ends at EOS (which the grammar allows
+    only at its end) or after max_new_tokens."""
+    import xgrammar as xgr
+
+    model = load_hf_model(path)
+    matcher = xgr.GrammarMatcher(compiled_grammar)
+    bitmask = xgr.allocate_token_bitmask(1, model.config.vocab_size)
+    token_ids = list(prompt_token_ids)
+    for _ in range(max_new_tokens):
+        logits = hf_logits(model, token_ids)[-1:].clone()
+        matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        token = int(logits[0].argmax())
+        token_ids.append(token)
+        assert matcher.accept_token(token)
+        if token == EOS_TOKEN_ID:
+            break
+    return token_ids[len(prompt_token_ids) :]

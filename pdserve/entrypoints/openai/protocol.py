@@ -21,19 +21,13 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pdserve.kv_connector.params import KVTransferParams
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pdserve.structured_output import grammar
 
 # Not implemented yet, with the values that leave them off (what a client library may send as a
 # default); any other value is refused, naming the field.
 _NOT_YET: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "response_format": ("structured outputs", (None, {"type": "text"})),
-    "structured_outputs": ("structured outputs", (None,)),
-    "guided_json": ("structured outputs", (None,)),
-    "guided_regex": ("structured outputs", (None,)),
-    "guided_choice": ("structured outputs", (None,)),
-    "guided_grammar": ("structured outputs", (None,)),
-    "guided_decoding_backend": ("structured outputs", (None,)),
-    "structural_tag": ("structured outputs", (None,)),
+    "structural_tag": ("structural tags", (None,)),
     "tools": ("tool calling", (None, [])),
     "tool_choice": ("tool calling", (None, "none", "auto")),
     "functions": ("tool calling", (None, [])),
@@ -62,6 +56,37 @@ class StreamOptions(BaseModel):
     @staticmethod
     def continuous(options: StreamOptions | None) -> bool:
         return options is not None and options.include_usage and options.continuous_usage_stats
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+
+    model_config = _STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs request field (one constraint; SamplingParams checks it)."""
+
+    model_config = _STRICT
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class _SamplingRequest(BaseModel):
@@ -93,13 +118,13 @@ class _SamplingRequest(BaseModel):
         KVTransferParams | None,
         WithJsonSchema({"type": ["object", "null"], "description": "vLLM's kv_transfer_params"}),
     ] = None
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for structured_outputs' constraints.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     structural_tag: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -133,6 +158,47 @@ class _SamplingRequest(BaseModel):
     def _check_kv_transfer_params(cls, value: Any) -> KVTransferParams | None:
         return None if value is None else KVTransferParams.from_json(value)
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint the request asks for, checked; ValueError naming the field."""
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema.schema is required for json_schema.")
+            asked.append(
+                ("response_format.json_schema.schema", _params(json=fmt.json_schema.schema_))
+            )
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            asked.append(
+                (
+                    "structured_outputs",
+                    _params(
+                        json=so.json_,
+                        regex=so.regex,
+                        choice=so.choice,
+                        grammar=so.grammar,
+                        json_object=so.json_object,
+                        disable_any_whitespace=so.disable_any_whitespace,
+                    ),
+                )
+            )
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if (value := getattr(self, name)) is not None:
+                asked.append((name, _params(**{name.removeprefix("guided_"): value})))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise ValueError(
+                f"{asked[1][0]}: one structured-outputs constraint per request; "
+                f"{asked[0][0]} is already one."
+            )
+        name, params = asked[0]
+        grammar.check(params, None if name == "structured_outputs" else name)
+        return params
+
     def to_sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
@@ -151,6 +217,7 @@ class _SamplingRequest(BaseModel):
             if getattr(self, name) is not None
         }
         return SamplingParams(
+            structured_outputs=self.structured_outputs_params(),
             n=self.n,
             seed=self.seed,
             max_tokens=max_tokens,
@@ -227,3 +294,10 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _params(**kwargs: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs: {e}") from None

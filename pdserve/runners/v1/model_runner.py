@@ -120,7 +120,8 @@ class ModelRunnerV1(ModelRunnerBase):
                 for r in self.prompt_logprobs.pending
                 if (i := index.get(r)) is not None
             )
-        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks)
+        grammar = None if so.grammar_bitmask is None else (so.grammar_bitmask, sampling_req_ids)
+        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks, grammar)
 
         for row, req_id, token in zip(sampling_rows.tolist(), sampling_req_ids, sampled):
             self.requests[req_id].output_token_ids.append(token)

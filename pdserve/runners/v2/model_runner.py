@@ -118,7 +118,8 @@ class ModelRunnerV2(ModelRunnerBase):
                 for r in self.prompt_logprobs.pending
                 if (j := position.get(r)) is not None
             )
-        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks)
+        grammar = None if so.grammar_bitmask is None else (so.grammar_bitmask, sampling_req_ids)
+        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks, grammar)
         if sampled:
             states.append_sampled(sampling_idx, sampled)
         return self.make_output(
