@@ -112,13 +112,19 @@ def upstream_error(instance: Instance, e: Exception) -> OpenAIError:
 
 
 def forwarded_error(instance: Instance, resp: httpx.Response) -> OpenAIError:
+    param = None
     try:
-        message = resp.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
+        error = resp.json()["error"]
+        message, param = error["message"], error.get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
         message = resp.text[:500]
-    # A client's mistake stays the client's; anything else is the upstream's failure.
-    status = resp.status_code if resp.status_code < 500 else 502
-    return OpenAIError(status, f"{instance.role} instance {instance.url}: {message}")
+    # A client's mistake stays the client's (with the field it names); anything else is the
+    # upstream's failure.
+    if resp.status_code >= 500:
+        return OpenAIError(502, f"{instance.role} instance {instance.url}: {message}")
+    return OpenAIError(
+        resp.status_code, f"{instance.role} instance {instance.url}: {message}", param=param
+    )
 
 
 async def check_forever(pools: list[InstancePool]) -> None:

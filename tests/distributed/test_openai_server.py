@@ -589,15 +589,6 @@ def test_server_info_has_what_routers_read(server: RemoteServer) -> None:
 
 
 UNSUPPORTED_ON = [
-    (
-        "chat",
-        "response_format",
-        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
-    ),
-    ("chat", "response_format", {"type": "json_object"}),
-    ("chat", "structured_outputs", {"choice": ["yes", "no"]}),
-    ("completions", "structured_outputs", {"regex": "[a-z]+"}),
-    ("chat", "guided_json", {"type": "object"}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("chat", "tool_choice", "required"),

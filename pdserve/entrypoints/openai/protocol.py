@@ -168,14 +168,17 @@ class _SamplingRequest(BaseModel):
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise ValueError("response_format.json_schema.schema is required for json_schema.")
             asked.append(
-                ("response_format.json_schema.schema", _params(json=fmt.json_schema.schema_))
+                (
+                    "response_format.json_schema.schema",
+                    StructuredOutputsParams(json=fmt.json_schema.schema_),
+                )
             )
         if self.structured_outputs is not None:
             so = self.structured_outputs
             asked.append(
                 (
                     "structured_outputs",
-                    _params(
+                    StructuredOutputsParams(
                         json=so.json_,
                         regex=so.regex,
                         choice=so.choice,
@@ -187,13 +190,15 @@ class _SamplingRequest(BaseModel):
             )
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if (value := getattr(self, name)) is not None:
-                asked.append((name, _params(**{name.removeprefix("guided_"): value})))
+                asked.append(
+                    (name, StructuredOutputsParams(**{name.removeprefix("guided_"): value}))
+                )
         if not asked:
             return None
         if len(asked) > 1:
             raise ValueError(
-                f"{asked[1][0]}: one structured-outputs constraint per request; "
-                f"{asked[0][0]} is already one."
+                f"{asked[1][0]} is a second structured-outputs constraint; {asked[0][0]} is "
+                "already one, and a request takes one."
             )
         name, params = asked[0]
         grammar.check(params, None if name == "structured_outputs" else name)
@@ -294,10 +299,3 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
-
-
-def _params(**kwargs: Any) -> StructuredOutputsParams:
-    try:
-        return StructuredOutputsParams(**kwargs)
-    except ValueError as e:
-        raise ValueError(f"structured_outputs: {e}") from None
