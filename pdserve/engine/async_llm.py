@@ -62,8 +62,10 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self.queues)
 
-    def apply_chat_template(self, messages: ChatMessages) -> list[int]:
-        return self.input_processor.apply_chat_template(messages)
+    def apply_chat_template(
+        self, messages: ChatMessages, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self.input_processor.apply_chat_template(messages, tools=tools)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Raises ValueError for a prompt the model cannot take (empty, too long, bad ids)."""

@@ -36,13 +36,17 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
 
 
 def render_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: ChatMessages, add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase,
+    messages: ChatMessages,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The token ids of a conversation under the model's chat template."""
+    """The token ids of a conversation under the model's chat template (which gets the tools,
+    when the request has some)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("The model's tokenizer has no chat template; use completions.")
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
     )
     # transformers 5 returns a BatchEncoding here; older versions a plain list.
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -70,9 +74,12 @@ class InputProcessor:
         check_prompt(token_ids, self.vocab_size, self.max_model_len)
 
     def apply_chat_template(
-        self, messages: ChatMessages, add_generation_prompt: bool = True
+        self,
+        messages: ChatMessages,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        return render_chat(self.tokenizer, messages, add_generation_prompt)
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)
 
     def make_request(
         self,

@@ -230,6 +230,9 @@ def build_proxy_app(
                 and leg.prompt_logprobs is None
                 and body.get("n", 1) == 1
                 and not body.get("echo")
+                # A tool call's first token is not yet text or a call: the decode instance's
+                # stream alone knows which deltas it makes.
+                and not (body.get("tools") and body.get("tool_choice") != "none")
             ):
                 # The prefill instance's token goes to the client now, before the decode leg;
                 # the decode instance's stream follows without it.

@@ -589,9 +589,7 @@ def test_server_info_has_what_routers_read(server: RemoteServer) -> None:
 
 
 UNSUPPORTED_ON = [
-    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}),
-    ("chat", "tool_choice", "required"),
+    ("chat", "functions", [{"name": "f", "parameters": {}}]),
     ("completions", "logit_bias", {"5": 10}),
     ("completions", "best_of", 3),
     ("completions", "use_beam_search", True),
@@ -615,6 +613,23 @@ def test_a_field_not_implemented_yet_is_refused_by_name(
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == field and "not supported by pdserve yet" in error["message"]
+
+
+def test_auto_tool_choice_needs_the_servers_parser(server: RemoteServer, model: str) -> None:
+    """vLLM's refusal: tools (tool_choice "auto" by default) on a server started without
+    --enable-auto-tool-choice --tool-call-parser."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for extra in ({}, {"tool_choice": "auto"}):
+        resp = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+            | extra,
+            timeout=30,
+        )
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "tool_choice"
+        assert "requires --enable-auto-tool-choice and --tool-call-parser" in error["message"]
 
 
 def test_a_field_sent_off_is_accepted(server: RemoteServer, model: str) -> None:

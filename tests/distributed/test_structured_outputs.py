@@ -1,14 +1,21 @@
-"""Structured outputs over HTTP with the official client, on the default model: one instance,
-and through the split (the prefill instance samples the first token under the grammar, the
-decode instance continues its grammar from it). Outputs parse and match their constraint, the
-split's equal the single instance's token for token, and bad constraints are 400s naming the
-field, from the server and through the proxy."""
+"""Structured outputs and tool calling over HTTP with the official client, on the default
+model served with vLLM's tool flags (--chat-template examples/tool_chat_template_smollm2.jinja
+--enable-auto-tool-choice --tool-call-parser smollm2; without tools the template renders what
+the model's own does): one instance, and through the split (the prefill instance samples the
+first token under the grammar, the decode instance continues its grammar from it).
+
+Structured outputs parse and match their constraint, and the split's equal the single
+instance's token for token. Tools: a named function and "required" (held to the tools by
+structured outputs), "auto" (calls read from the text), "none"; streamed deltas join to the
+whole answer. Bad constraints, tool definitions and choices are 400s naming the field, from
+the server and through the proxy."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -18,26 +25,59 @@ from pdserve.models.loader import default_model_path
 from tests.utils.pd import start_instance
 from tests.utils.server import RemoteServer
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city": {"type": "string", "enum": ["Paris", "Rome", "Madrid"]},
+TEMPLATE = str(Path(__file__).parents[2] / "examples" / "tool_chat_template_smollm2.jinja")
+TOOL_FLAGS = [
+    "--chat-template",
+    TEMPLATE,
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "smollm2",
+]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
     },
-    "required": ["name", "age", "city"],
-    "additionalProperties": False,
 }
-PERSON = [{"role": "user", "content": "Describe Ann, 31, who lives in Rome, as JSON."}]
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+# What "auto" reads, forced by a grammar: the 135M model rarely calls on its own.
+FORCED_CALL = (
+    r'<tool_call>\[\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,10}", '
+    r'"unit": "celsius"\}\}\]</tool_call>'
+)
 
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, Any]]:
     model = str(default_model_path())
     with (
-        RemoteServer(["serve", model, "--dtype", "float32"]) as plain,
-        start_instance(model, "kv_producer") as p,
-        start_instance(model, "kv_consumer") as d,
+        RemoteServer(["serve", model, "--dtype", "float32", *TOOL_FLAGS]) as plain,
+        start_instance(model, "kv_producer", extra_args=TOOL_FLAGS) as p,
+        start_instance(model, "kv_consumer", extra_args=TOOL_FLAGS) as d,
         RemoteServer(
             [
                 "proxy",
@@ -51,6 +91,173 @@ def servers() -> Iterator[dict[str, Any]]:
         ) as proxy,
     ):
         yield {"model": model, "plain": plain, "proxy": proxy, "decode": d}
+
+
+def _ask(server: RemoteServer, model: str, stream: bool, **kwargs: Any) -> dict[str, Any]:
+    """The answer as {content, calls: [(name, arguments)], finish_reason}, streamed or not."""
+    client = server.client()
+    args = {"model": model, "messages": ASK, "max_tokens": 60, "temperature": 0, "tools": TOOLS}
+    args.update(kwargs)
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        calls = choice.message.tool_calls or []
+        for call in calls:
+            assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
+        return {
+            "content": choice.message.content,
+            "calls": [(c.function.name, json.loads(c.function.arguments)) for c in calls],
+            "finish_reason": choice.finish_reason,
+        }
+    content, finish, parts = "", None, {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            part = parts.setdefault(call.index, {"name": None, "arguments": "", "id": None})
+            if call.id:
+                assert part["id"] is None and call.id.startswith("chatcmpl-tool-")
+                part["id"] = call.id
+            if call.function and call.function.name:
+                part["name"] = call.function.name
+            if call.function and call.function.arguments:
+                part["arguments"] += call.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    calls = [(p["name"], json.loads(p["arguments"])) for _, p in sorted(parts.items())]
+    return {"content": content or None, "calls": calls, "finish_reason": finish}
+
+
+def _check_weather(arguments: dict) -> None:
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 20
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_named_function(servers, stream) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer = _ask(servers["plain"], servers["model"], stream, tool_choice=choice)
+    assert answer["finish_reason"] == "stop" and not answer["content"]
+    [(name, arguments)] = answer["calls"]
+    assert name == "get_weather"
+    _check_weather(arguments)
+    split = _ask(servers["proxy"], servers["model"], stream, tool_choice=choice)
+    assert split == answer
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_required(servers, stream) -> None:
+    answer = _ask(
+        servers["plain"], servers["model"], stream, tool_choice="required", max_tokens=120
+    )
+    assert answer["finish_reason"] == "tool_calls" and not answer["content"]
+    assert answer["calls"]
+    for name, arguments in answer["calls"]:
+        assert name in ("get_weather", "get_time")
+        if name == "get_weather":
+            _check_weather(arguments)
+    split = _ask(servers["proxy"], servers["model"], stream, tool_choice="required", max_tokens=120)
+    assert split == answer
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_auto_reads_calls_from_the_text(servers, stream) -> None:
+    answer = _ask(
+        servers["plain"],
+        servers["model"],
+        stream,
+        tool_choice="auto",
+        extra_body={"structured_outputs": {"regex": FORCED_CALL}},
+    )
+    assert answer["finish_reason"] == "tool_calls" and not (answer["content"] or "").strip()
+    [(name, arguments)] = answer["calls"]
+    assert name == "get_weather" and arguments["unit"] == "celsius"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("tool_choice", ["auto", "none"])
+def test_text_without_calls(servers, stream, tool_choice) -> None:
+    answer = _ask(
+        servers["plain"],
+        servers["model"],
+        stream,
+        tool_choice=tool_choice,
+        extra_body={"structured_outputs": {"choice": ["It is sunny in Paris."]}},
+    )
+    assert answer == {"content": "It is sunny in Paris.", "calls": [], "finish_reason": "stop"}
+
+
+def test_a_conversation_with_calls_and_their_results(servers) -> None:
+    client = servers["plain"].client()
+    call = {
+        "id": "chatcmpl-tool-1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+    }
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "21 degrees, sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model=servers["model"], messages=messages, tools=TOOLS, tool_choice="none", max_tokens=20
+    )
+    assert answer.choices[0].message.content
+
+
+BAD_TOOLS = [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "lacks"),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "properties": 3}},
+                }
+            ]
+        },
+        "tools[0].function.parameters",
+        "properties must be an object",
+    ),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name", ""),
+    ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools.0.type", ""),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    (
+        {"tool_choice": "required", "response_format": {"type": "json_object"}},
+        "response_format",
+        "second structured-outputs constraint",
+    ),
+]
+
+
+@pytest.mark.parametrize("where", ["plain", "proxy"])
+@pytest.mark.parametrize("case", range(len(BAD_TOOLS)))
+def test_bad_tools_are_400_naming_the_field(servers, where, case) -> None:
+    kwargs, param, message = BAD_TOOLS[case]
+    args = {"tools": TOOLS, **kwargs}
+    if args["tools"] is None:
+        del args["tools"]
+    with pytest.raises(openai.BadRequestError) as e:
+        servers[where].client().chat.completions.create(
+            model=servers["model"], messages=ASK, max_tokens=5, **args
+        )
+    error = e.value.body
+    assert error["param"] == param and message in error["message"], error
+
+
+# ---- structured outputs ---------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Madrid"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+PERSON = [{"role": "user", "content": "Describe Ann, 31, who lives in Rome, as JSON."}]
 
 
 def _check_person(text: str) -> bool:
@@ -158,7 +365,7 @@ def test_the_decode_instance_continues_the_prefill_instances_grammar(servers) ->
     assert decode.metric("kv_transfers_total") == before + 1
 
 
-BAD = [
+BAD_CONSTRAINTS = [
     (
         {
             "response_format": {
@@ -203,9 +410,9 @@ BAD = [
 
 
 @pytest.mark.parametrize("where", ["plain", "proxy"])
-@pytest.mark.parametrize("case", range(len(BAD)))
+@pytest.mark.parametrize("case", range(len(BAD_CONSTRAINTS)))
 def test_bad_constraints_are_400_naming_the_field(servers, where, case) -> None:
-    kwargs, param, message = BAD[case]
+    kwargs, param, message = BAD_CONSTRAINTS[case]
     with pytest.raises(openai.BadRequestError) as e:
         servers[where].client().chat.completions.create(
             model=servers["model"], messages=PERSON, max_tokens=5, **kwargs

@@ -12,6 +12,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -36,6 +37,7 @@ from pdserve.entrypoints.openai.protocol import (
 )
 from pdserve.entrypoints.openai.serving import OpenAIServing, Prompt, RequestFailedError
 from pdserve.entrypoints.openai.tokenization import detokenize, tokenize
+from pdserve.entrypoints.openai.tool_calls import TOOL_PARSERS
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -76,8 +78,10 @@ def build_app(
     api_key: str | None,
     max_pending_requests: int | None = None,
     drain: Drain | None = None,
+    tool_parser: str | None = None,
 ) -> FastAPI:
-    serving = OpenAIServing(engine, model_name, max_pending_requests)
+    """`tool_parser`: the parser tool_choice "auto" reads calls with (None: "auto" is a 400)."""
+    serving = OpenAIServing(engine, model_name, max_pending_requests, tool_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -321,10 +325,45 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds to let requests in flight finish and held KV be read before "
         "exiting anyway (a second SIGTERM exits at once)",
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let tool_choice "auto" (the default with tools) answer with calls, which '
+        "--tool-call-parser reads from the model's text",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS.supported_names(),
+        default=None,
+        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>), smollm2 "
+        "(<tool_call>[{...}]</tool_call>, the default model's)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, as a file or inline, in place of the tokenizer's "
+        "(examples/tool_chat_template_smollm2.jinja gives the default model its tools)",
+    )
+
+
+def load_chat_template(template: str) -> str:
+    """vLLM's --chat-template: a file's text, or the template itself."""
+    path = Path(template)
+    if path.suffix in (".jinja", ".j2") or path.is_file():
+        if not path.is_file():
+            raise SystemExit(f"--chat-template: no such file: {template}")
+        return path.read_text()
+    return template
 
 
 def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice requires --tool-call-parser")
+    chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     engine = AsyncLLM.from_engine_args(**engine_args)
+    if chat_template is not None:
+        # The one tokenizer every endpoint renders chats with (chat, tokenize, render).
+        engine.tokenizer.chat_template = chat_template
     drain = Drain(engine, args.drain_timeout)
     app = build_app(
         engine,
@@ -332,6 +371,7 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         args.api_key or envs.api_key(),
         args.max_pending_requests,
         drain,
+        args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5

@@ -8,6 +8,7 @@ would look like success (prose for a JSON schema, no tool call for a named tool)
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,6 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pdserve.entrypoints.openai import tool_calls
 from pdserve.kv_connector.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pdserve.structured_output import grammar
@@ -28,10 +30,8 @@ from pdserve.structured_output import grammar
 # default); any other value is refused, naming the field.
 _NOT_YET: dict[str, tuple[str, tuple[Any, ...]]] = {
     "structural_tag": ("structural tags", (None,)),
-    "tools": ("tool calling", (None, [])),
-    "tool_choice": ("tool calling", (None, "none", "auto")),
-    "functions": ("tool calling", (None, [])),
-    "function_call": ("tool calling", (None, "none", "auto")),
+    "functions": ("the deprecated functions; use tools", (None, [])),
+    "function_call": ("the deprecated function_call; use tool_choice", (None, "none", "auto")),
     "logit_bias": ("logit bias", (None, {})),
     "bad_words": ("bad words", (None, [])),
     "allowed_token_ids": ("allowed token ids", (None,)),
@@ -126,8 +126,6 @@ class _SamplingRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structural_tag: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     logit_bias: Any = None
@@ -161,6 +159,11 @@ class _SamplingRequest(BaseModel):
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint the request asks for, checked; ValueError naming the field."""
         asked: list[tuple[str, StructuredOutputsParams]] = []
+        tool_constraint = (
+            self.tool_constraint() if isinstance(self, ChatCompletionRequest) else None
+        )
+        if tool_constraint is not None:
+            asked.append(("tool_choice", tool_constraint))
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
             asked.append(("response_format", StructuredOutputsParams(json_object=True)))
@@ -259,6 +262,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    # An assistant's earlier calls, and a tool message's answer to one.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -266,6 +273,46 @@ class ChatMessage(BaseModel):
                 part.get("text", "") for part in self.content if part.get("type") == "text"
             )
         return self.content or ""
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            return call
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -277,8 +324,57 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as chat templates read them: an earlier call's arguments as a dict
+        (what templates that print them expect), as vLLM passes them."""
+        conversation = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            conversation.append(message)
+        return conversation
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_mode(self) -> str:
+        """ "none", "auto", "required" or "named": what the answer may hold (tool_calls.py)."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"  # OpenAI's default with tools
+
+    def tool_constraint(self) -> StructuredOutputsParams | None:
+        """Structured outputs for "required" and a named function; ValueError naming the
+        field for a tool choice the tools do not allow."""
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools: the request has none.")
+        for i, tool in enumerate(self.tools or ()):
+            if tool.function.parameters is not None:
+                grammar.check(
+                    StructuredOutputsParams(json=tool.function.parameters),
+                    f"tools[{i}].function.parameters",
+                )
+        mode = self.tool_mode()
+        if mode == "named":
+            name = self.tool_choice.function.name  # type: ignore[union-attr]
+            chosen = [t for t in self.tools or () if t.function.name == name]
+            if not chosen:
+                raise ValueError(f"tool_choice names function {name!r}, which tools lacks.")
+            return StructuredOutputsParams(json=chosen[0].function.parameters or {"type": "object"})
+        if mode == "required":
+            return StructuredOutputsParams(json=tool_calls.required_schema(self.template_tools()))
+        return None
 
 
 class TokenizeRequest(BaseModel):

@@ -11,12 +11,14 @@ from typing import Any
 
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
+from pdserve.entrypoints.openai import tool_calls
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     StreamOptions,
 )
+from pdserve.entrypoints.openai.tool_calls import TOOL_PARSERS
 from pdserve.kv_connector.params import KV_LOAD_FAILED, KVTransferParams
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
@@ -69,8 +71,16 @@ def _remote_read(params: KVTransferParams | None) -> tuple[str, str] | None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str, max_pending_requests: int | None) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_name: str,
+        max_pending_requests: int | None,
+        tool_parser: str | None = None,
+    ) -> None:
         self.engine = engine
+        # --enable-auto-tool-choice's parser (tool_choice "auto"); None: "auto" is refused.
+        self.tool_parser = None if tool_parser is None else TOOL_PARSERS.get(tool_parser)()
         self.model_name = model_name
         self.max_model_len = engine.config.model_config.max_model_len
         self.max_pending_requests = max_pending_requests
@@ -396,8 +406,15 @@ class OpenAIServing:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> list[tuple[Prompt, SamplingParams]]:
         self.check_model(req.model)
+        if req.tool_mode() == "auto" and self.tool_parser is None:
+            raise OpenAIError(
+                400,
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set",
+                param="tool_choice",
+            )
         try:
-            token_ids = self.engine.apply_chat_template(req.conversation())
+            token_ids = self.engine.apply_chat_template(req.conversation(), req.template_tools())
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from None
         _, token_ids = self.tokenize({"prompt_token_ids": token_ids})
@@ -421,17 +438,19 @@ class OpenAIServing:
         async for _, final in self.generate(prompts, request_id, req.kv_transfer_params, False):  # noqa: B007
             pass  # the one output holds the whole answer
         assert final is not None
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "token_ids": c.token_ids,
-                "logprobs": self._chat_logprobs(c, req.top_logprobs or 0),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = self._chat_message(req, c.text, c.finish_reason)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "token_ids": c.token_ids,
+                    "logprobs": self._chat_logprobs(c, req.top_logprobs or 0),
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         response = {
             "id": f"chatcmpl-{request_id}",
             "object": "chat.completion",
@@ -462,6 +481,8 @@ class OpenAIServing:
                 chunk["usage"] = _usage(len(prompts[0][0]["prompt_token_ids"]), 0, 0)
             yield sse(chunk)
         counts = _UsageCounter()
+        mode = req.tool_mode()
+        tools = {} if mode == "none" else {i: self._tool_stream(req, mode) for i in range(req.n)}
         async for i, out in _reporting_errors(stream):
             if isinstance(out, str):
                 yield out
@@ -470,20 +491,61 @@ class OpenAIServing:
             for c in out.outputs:  # each output holds only the step's new part
                 if not c.token_ids and not c.text and c.finish_reason is None:
                     continue
-                choice = {
-                    "index": c.index,
-                    "delta": {"content": c.text},
-                    "token_ids": c.token_ids,
-                    "logprobs": self._chat_logprobs(c, req.top_logprobs or 0),
-                    "finish_reason": c.finish_reason,
-                }
-                chunk = {**head, "choices": [choice]}
-                if continuous:
-                    chunk["usage"] = counts.usage()
-                yield sse(chunk)
+                finish_reason = c.finish_reason
+                if not tools:
+                    deltas = [{"content": c.text}]
+                else:
+                    tool_stream = tools[c.index]
+                    deltas = tool_stream.feed(c.text)
+                    if finish_reason is not None:
+                        deltas += tool_stream.finish()
+                        if tool_stream.called and mode != "named" and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    # The step's tokens and logprobs ride on its last delta (or an empty one).
+                    deltas = [{}] * (not deltas) + deltas
+                for n, delta in enumerate(deltas, 1):
+                    last = n == len(deltas)
+                    choice = {
+                        "index": c.index,
+                        "delta": delta,
+                        "token_ids": c.token_ids if last else [],
+                        "logprobs": self._chat_logprobs(c, req.top_logprobs or 0) if last else None,
+                        "finish_reason": finish_reason if last else None,
+                    }
+                    chunk = {**head, "choices": [choice]}
+                    if continuous:
+                        chunk["usage"] = counts.usage()
+                    yield sse(chunk)
         if req.stream_options and req.stream_options.include_usage and counts.prompt:
             yield sse({**head, "choices": [], "usage": counts.usage()})
         yield "data: [DONE]\n\n"
+
+    def _chat_message(
+        self, req: ChatCompletionRequest, text: str, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a whole answer, its tool calls read as the request's
+        tool_choice says, and the finish reason they make it."""
+        mode = req.tool_mode()
+        calls: list[dict[str, Any]] = []
+        content: str | None = text
+        if mode == "named" and finish_reason == "stop":
+            calls = [tool_calls.tool_call(req.tool_choice.function.name, text)]  # type: ignore[union-attr]
+            content = None
+        elif mode == "required" and finish_reason == "stop":
+            calls = tool_calls.required_calls(text)
+            content = None
+        elif mode == "auto":
+            content, calls = self.tool_parser.parse(text)  # type: ignore[union-attr]
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+            if mode != "named" and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return message, finish_reason
+
+    def _tool_stream(self, req: ChatCompletionRequest, mode: str) -> tool_calls.ToolCallStream:
+        name = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+        return tool_calls.ToolCallStream(mode, name, self.tool_parser)
 
     @staticmethod
     def _chat_logprobs(c: CompletionOutput, num_top: int) -> dict | None:
