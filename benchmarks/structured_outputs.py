@@ -2,10 +2,11 @@
 unconstrained, on one engine (LLM, default model unless --model).
 
 Every request is held to 64 generated tokens (a JSON schema whose one string must be long,
-so no constrained request can end early), and the decode step time is the difference between
+so no constrained request can end early; unconstrained ones ignore EOS), and the decode step time is the difference between
 a 65-token and a 1-token run over 64. Rows alternate, repeated --repeats times; medians. Also
 times the two parts structured outputs add: the engine filling the bitmask (xgrammar, per
-request) and the runner applying it to the logits.
+request) and the runner applying it to the logits; and the batch unconstrained without async
+scheduling, since a constrained request does not overlap its steps (it waits for its token).
 
     python benchmarks/structured_outputs.py [--batch 32] [--repeats 3] [--model PATH]
 """
@@ -38,7 +39,9 @@ def decode_step_ms(llm: LLM, batch: int, constrained: bool) -> float:
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
 
     def run(max_tokens: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so)
+        params = SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=not constrained, structured_outputs=so
+        )
         # Distinct prompts: no request finds another's blocks cached mid-run.
         prompts = [f"{i}. {PROMPT}" for i in range(batch)]
         start = time.perf_counter()
@@ -92,12 +95,23 @@ def main() -> None:
             results["unconstrained"].append(decode_step_ms(llm, args.batch, False))
             results["json schema"].append(decode_step_ms(llm, args.batch, True))
         fill, apply = parts_us(llm, args.batch)
+    # A constrained request waits for its token in flight: its steps no longer overlap the
+    # next one's scheduling. This row is that loss alone.
+    sync = LLM(
+        max_model_len=args.max_model_len, max_num_seqs=args.batch, async_scheduling=False, **kwargs
+    )
+    with sync:
+        decode_step_ms(sync, args.batch, False)
+        sync_ms = statistics.median(
+            decode_step_ms(sync, args.batch, False) for _ in range(args.repeats)
+        )
     free = statistics.median(results["unconstrained"])
     held = statistics.median(results["json schema"])
     print(f"decode step at batch {args.batch} (median of {args.repeats}):")
     print(f"  unconstrained  {free:7.2f} ms")
     print(f"  json schema    {held:7.2f} ms   ({held - free:+.2f} ms, x{held / free:.3f})")
     print(f"  of which: bitmask fill {fill:.0f} us (engine), apply {apply:.0f} us (runner)")
+    print(f"  unconstrained, sync scheduling {sync_ms:7.2f} ms (no step overlap)")
     print(
         json.dumps(
             {
@@ -107,6 +121,7 @@ def main() -> None:
                 "ratio": round(held / free, 4),
                 "fill_us": round(fill, 1),
                 "apply_us": round(apply, 1),
+                "unconstrained_sync_ms": round(sync_ms, 3),
             }
         )
     )
