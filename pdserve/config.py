@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pdserve import envs
+from pdserve.engine_args import flag
 from pdserve.kv_events_config import KVEventsConfig
 from pdserve.kv_transfer_config import KVTransferConfig
 from pdserve.model_config import ModelConfig
@@ -27,15 +28,39 @@ DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES = frozenset(
 )
 
 
+def _executor_names() -> tuple[str, ...]:
+    from pdserve.executor.base import EXECUTORS  # it imports this module
+
+    return EXECUTORS.supported_names()
+
+
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
+    block_size: int = flag(16, "tokens per KV cache block", choices=(1, 2, 4, 8, 16, 32, 64, 128))
+    enable_prefix_caching: bool = flag(True, "reuse cached blocks of earlier prompts")
+    num_gpu_blocks_override: int | None = flag(
+        None, "KV cache blocks, whatever memory says (tests, benchmarks)"
+    )
+    gpu_memory_utilization: float = flag(
+        0.9,
+        "CUDA: the fraction of the device's memory this instance may fill, weights and KV "
+        "cache together; the KV cache gets what is left of it after loading",
+    )
+    kv_cache_memory_bytes: int | None = flag(
+        None,
+        "the KV cache's size per worker in bytes, on any device (overrides "
+        "--gpu-memory-utilization; on CPU the default is PDSERVE_CPU_KVCACHE_SPACE GiB, as "
+        "vLLM's VLLM_CPU_KVCACHE_SPACE)",
+    )
 
     def __post_init__(self) -> None:
         check_choice("block_size", self.block_size, (1, 2, 4, 8, 16, 32, 64, 128))
         check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
+        check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(
                 "num_gpu_blocks_override must be at least 2 (one block is the null block), "
@@ -45,12 +70,18 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
-    # Schedule step N+1 while step N runs. None: EngineConfig decides (on).
-    async_scheduling: bool | None = None
+    max_num_seqs: int = flag(128, "the most requests running at once")
+    max_num_batched_tokens: int | None = flag(
+        None, "the most tokens in one step (default: 2048 with chunked prefill)"
+    )
+    enable_chunked_prefill: bool = flag(True, "split long prompts over steps")
+    policy: str = flag(
+        "fcfs",
+        "the order of waiting requests",
+        name="--scheduling-policy",
+        choices=("fcfs", "priority"),
+    )
+    async_scheduling: bool | None = flag(None, "schedule step N+1 while step N runs (default: on)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.async_scheduling, (bool, type(None))):
@@ -64,12 +95,15 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    # "module:Class" of the worker each rank runs (vLLM's worker_cls): an extension point, and
-    # how benchmarks swap in a model-free worker.
-    worker_cls: str = "pdserve.executor.worker:Worker"
+    tensor_parallel_size: int = flag(1, "tensor-parallel ranks", short="-tp")
+    pipeline_parallel_size: int = flag(1, "pipeline stages", short="-pp")
+    distributed_executor_backend: str | None = flag(
+        None, "how ranks run (default: uni for one rank, else mp)", choices=_executor_names
+    )
+    # An extension point, and how benchmarks swap in a model-free worker.
+    worker_cls: str = flag(
+        "pdserve.executor.worker:Worker", '"module:Class" of the worker each rank runs'
+    )
 
     def __post_init__(self) -> None:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -99,8 +133,19 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    kv_transfer_config: KVTransferConfig | dict[str, Any] | None = None
-    kv_events_config: KVEventsConfig | dict[str, Any] | None = None
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | None = flag(
+        None,
+        'KV connector settings as JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": '
+        '"kv_producer"}\'',
+        json=True,
+    )
+    kv_events_config: KVEventsConfig | dict[str, Any] | None = flag(
+        None,
+        "KV cache events for cache-aware routers, as JSON (vLLM's keys), e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (docs/kv_events.md)',
+        json=True,
+    )
     device: str = "auto"
 
     def __post_init__(self) -> None:

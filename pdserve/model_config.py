@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pdserve.engine_args import flag
 from pdserve.validation import check_choice, check_positive
 
 if TYPE_CHECKING:
@@ -25,22 +29,50 @@ _DTYPES = {
 
 @dataclass
 class ModelConfig:
-    model: str | None = None  # an HF folder or a .gguf file; None serves the default model
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
+    model: str | None = flag(
+        None, "HF folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)"
+    )
+    dtype: str = flag("auto", "weights and activations", choices=("auto", *_DTYPES))
+    max_model_len: int | None = flag(
+        None, "context length, prompt and output (default: the model's)"
+    )
+    seed: int = flag(0, "seed of the engine's random state")
     # Callables (output_token_ids, logits) -> logits applied per request (runner V1 only).
     logits_processors: list[Callable[..., torch.Tensor]] | None = None
-    # Off: runner V2 captures CUDA graphs of decode (and small mixed) steps on CUDA devices.
-    enforce_eager: bool = False
-    # The name clients put in "model" (vLLM's name); default: the model path as given.
-    served_model_name: str | None = None
+    enforce_eager: bool = flag(
+        False, "no CUDA graphs (by default runner V2 captures decode and small mixed steps)"
+    )
+    served_model_name: str | None = flag(
+        None, 'the name clients put in "model" (default: --model as given)'
+    )
+    tokenizer: str | None = flag(
+        None, "HF folder (or tokenizer file's folder) of the tokenizer (default: the model's)"
+    )
+    generation_config: str = flag(
+        "auto",
+        "'auto': the model's generation config gives EOS ids and the server's default "
+        "sampling parameters; 'vllm': neither (EOS from the model config); or a folder to "
+        "read it from",
+    )
+    max_logprobs: int = flag(
+        20, "the most logprobs and prompt_logprobs a request may ask for (-1: no limit)"
+    )
 
     def __post_init__(self) -> None:
         # Imported here: the loader pulls in the model zoo, which config users may not need.
         from pdserve.models import loader, registry
 
         check_choice("dtype", self.dtype, ("auto", *_DTYPES))
+        if self.generation_config not in ("auto", "vllm"):
+            if not (Path(self.generation_config) / "generation_config.json").is_file():
+                raise ValueError(
+                    "generation_config must be 'auto', 'vllm' or a folder holding "
+                    f"generation_config.json, got {self.generation_config!r}."
+                )
+        if self.max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs must be -1 (no limit) or more, got {self.max_logprobs}."
+            )
         self.source = loader.resolve_model_source(self.model)
         self.hf_config = loader.load_hf_config(self.source)
         self.architectures: list[str] = list(getattr(self.hf_config, "architectures", None) or [])
@@ -85,11 +117,37 @@ class ModelConfig:
         return torch.float32
 
     @cached_property
-    def eos_token_ids(self) -> list[int]:
-        """EOS ids from generation_config (or the model config); the first is the primary one."""
+    def generation_config_dict(self) -> dict[str, Any]:
+        """The generation config as written, from where `generation_config` says ({} for
+        'vllm')."""
         from pdserve.models import loader
 
-        eos = loader.load_generation_config(self.source).get("eos_token_id")
+        if self.generation_config == "vllm":
+            return {}
+        if self.generation_config == "auto":
+            return loader.load_generation_config(self.source)
+        return json.loads((Path(self.generation_config) / "generation_config.json").read_text())
+
+    @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        """What the generation config sets of the sampling parameters vLLM's server takes from
+        it: a request's unset fields default to these."""
+        config = self.generation_config_dict
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        return {k: config[k] for k in keys if config.get(k) is not None}
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        from pdserve.models import loader
+
+        if self.tokenizer is not None:
+            return AutoTokenizer.from_pretrained(self.tokenizer)
+        return loader.load_tokenizer(self.source)
+
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids from the generation config (or the model config); the first is the primary
+        one."""
+        eos = self.generation_config_dict.get("eos_token_id")
         if eos is None:
             eos = getattr(self.hf_config, "eos_token_id", None)
         if eos is None:

@@ -22,7 +22,6 @@ from pdserve.engine.output_processor import OutputProcessor
 from pdserve.kv_connector.first_token import shipped_logprobs
 from pdserve.kv_connector.params import KVTransferParams
 from pdserve.metrics import EngineMetrics
-from pdserve.models import loader
 from pdserve.outputs import EngineCoreOutput, RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.scheduler import SchedulerStats
@@ -37,7 +36,7 @@ class RequestRejectedError(ValueError):
 class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = loader.load_tokenizer(config.model_config.source)
+        self.tokenizer = config.model_config.load_tokenizer()
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(config.model_config.name)

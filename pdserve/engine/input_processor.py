@@ -35,6 +35,18 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
         )
 
 
+def check_logprobs(params: SamplingParams, max_logprobs: int, field: str = "logprobs") -> None:
+    """vLLM's --max-logprobs limit (-1: none); `field` names the request's logprobs field."""
+    if max_logprobs < 0:
+        return
+    for name, num in ((field, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if num is not None and num > max_logprobs:
+            raise ValueError(
+                f"{name} asks for {num}, more than max_logprobs={max_logprobs} allows "
+                "(--max-logprobs)."
+            )
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: ChatMessages,
@@ -59,6 +71,7 @@ class InputProcessor:
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = mc.eos_token_ids
+        self.max_logprobs = mc.max_logprobs
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -89,6 +102,7 @@ class InputProcessor:
         kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
     ) -> EngineCoreRequest:
+        check_logprobs(params, self.max_logprobs)
         # Extra EOS ids of the generation config stop generation like stop_token_ids do.
         primary_eos = self.eos_token_ids[0] if self.eos_token_ids else None
         extra = [t for t in self.eos_token_ids[1:] if not params.ignore_eos]

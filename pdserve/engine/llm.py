@@ -13,7 +13,6 @@ from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.input_processor import ChatMessages, InputProcessor, PromptType
 from pdserve.engine.output_processor import OutputProcessor
-from pdserve.models import loader
 from pdserve.outputs import RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
 from pdserve.structured_output import grammar
@@ -26,7 +25,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_engine_args(model=model, **engine_args)
-        self.tokenizer = loader.load_tokenizer(self.config.model_config.source)
+        self.tokenizer = self.config.model_config.load_tokenizer()
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core: EngineCore | None = EngineCore(self.config)

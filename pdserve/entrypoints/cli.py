@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
 
-from pdserve.unsupported import UNSUPPORTED_FEATURES
+from pdserve.engine_args import add_engine_args, engine_kwargs
 
 DEMO_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -22,97 +21,6 @@ DEMO_PROMPTS = [
 def _vllm_serve_flags() -> set[str]:
     path = Path(__file__).with_name("vllm_serve_flags.txt")
     return {line for line in path.read_text().splitlines() if line and not line.startswith("#")}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, with vLLM's names."""
-    from pdserve.executor.base import EXECUTORS
-
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    parser.add_argument(
-        "--distributed-executor-backend", choices=EXECUTORS.supported_names(), default=None
-    )
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument(
-        "--served-model-name", default=None, help="the name clients use (default: --model)"
-    )
-    parser.add_argument(
-        "--kv-transfer-config",
-        type=_json_object,
-        default=None,
-        help='KV connector settings as JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\'',
-    )
-    parser.add_argument(
-        "--kv-events-config",
-        type=_json_object,
-        default=None,
-        help="KV cache events for cache-aware routers, as JSON (vLLM's keys), e.g. "
-        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
-        '"replay_endpoint": "tcp://*:5558"}\' (docs/kv_events.md)',
-    )
-    # vLLM's flags for what pdserve does not implement: parsed, so that the configuration says
-    # which feature is missing rather than argparse calling the flag unknown.
-    for f in UNSUPPORTED_FEATURES.values():
-        flags = (f.flag, f.short_flag) if f.short_flag else (f.flag,)
-        if f.kind is bool:
-            kind: dict = {"action": argparse.BooleanOptionalAction}
-        else:
-            kind = {"type": _json_object if f.kind is dict else f.kind}
-        parser.add_argument(*flags, dest=f.arg, default=f.off[0], help=argparse.SUPPRESS, **kind)
-
-
-def _json_object(value: str) -> dict:
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return parsed
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = [
-        "model",
-        "dtype",
-        "max_model_len",
-        "block_size",
-        "num_gpu_blocks_override",
-        "enable_prefix_caching",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "enable_chunked_prefill",
-        "seed",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "distributed_executor_backend",
-        "enforce_eager",
-        "served_model_name",
-        "kv_transfer_config",
-        "kv_events_config",
-    ]
-    return {n: getattr(args, n) for n in [*names, *UNSUPPORTED_FEATURES]}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

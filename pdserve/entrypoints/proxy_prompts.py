@@ -37,8 +37,8 @@ class PromptTokens:
             return []
         try:
             if endpoint == "chat/completions":
-                messages = ChatCompletionRequest.model_validate(body).conversation()
-                return render_chat(self.tokenizer, messages)
+                chat = ChatCompletionRequest.model_validate(body)
+                return render_chat(self.tokenizer, chat.conversation(), tools=chat.template_tools())
             # A batch: its first prompt speaks for it.
             first = CompletionRequest.model_validate(body).prompts()[0]
             if isinstance(first, str):

@@ -82,12 +82,22 @@ class Worker:
         self.threads.model_loaded(self.model_runner.model)
 
     def determine_num_blocks(self) -> int:
-        override = self.config.cache_config.num_gpu_blocks_override
-        if override is not None:
-            return override
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.8)
+        cache = self.config.cache_config
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            # vLLM's meaning: the instance (weights, loaded by now, and KV cache) fills at most
+            # this fraction of the device; what others hold counts against it too.
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * cache.gpu_memory_utilization) - (total - free)
+            if budget <= 0:
+                raise ValueError(
+                    f"gpu_memory_utilization={cache.gpu_memory_utilization} leaves no room for "
+                    f"the KV cache: {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB are "
+                    "in use already."
+                )
         else:
             budget = int(envs.cpu_kv_cache_space_gib() * 2**30)
         num_blocks = budget // self.model_runner.get_kv_cache_block_bytes()

@@ -94,11 +94,9 @@ class StructuredOutputManager:
         """Built on the first constraint (in the compile thread): the tokenizer's vocabulary
         takes a fraction of a second to index."""
         if self._compiler is None:
-            from pdserve.models import loader
-
             mc = self.model_config
             info = xgr.TokenizerInfo.from_huggingface(
-                loader.load_tokenizer(mc.source),
+                mc.load_tokenizer(),
                 vocab_size=self.vocab_size,
                 stop_token_ids=mc.eos_token_ids or None,
             )

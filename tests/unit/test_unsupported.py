@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from pdserve import engine_args
 from pdserve.config import EngineConfig
 from pdserve.entrypoints import cli
 from pdserve.unsupported import UNSUPPORTED_FEATURES, UnsupportedFeature
@@ -58,18 +59,18 @@ def test_cli_flag_names_the_feature(capsys, feature):
 
 def test_cli_off_flags_reach_the_config_as_off():
     parser = argparse.ArgumentParser()
-    cli.add_engine_args(parser)
+    engine_args.add_engine_args(parser)
     args = parser.parse_args(["--no-enable-lora", "--runner", "generate"])
-    kwargs = cli.engine_kwargs(args)
+    kwargs = engine_args.engine_kwargs(args)
     assert all(kwargs[f.arg] in f.off for f in FEATURES)
 
 
 def test_a_vllm_flag_pdserve_lacks_is_named_not_unrecognized(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["serve", "--gpu-memory-utilization", "0.9", "--trust-remote-code"])
+        cli.main(["serve", "--cpu-offload-gb", "2", "--trust-remote-code"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--gpu-memory-utilization, --trust-remote-code: vLLM flag(s) pdserve does not" in err
+    assert "--cpu-offload-gb, --trust-remote-code: vLLM flag(s) pdserve does not" in err
     assert "unrecognized" not in err
     with pytest.raises(SystemExit):
         cli.main(["serve", "--no-such-flag"])

@@ -326,6 +326,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "exiting anyway (a second SIGTERM exits at once)",
     )
     parser.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request's prompt token ids and parameters at INFO (logger pdserve.requests)",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's own logging, access log included from info (default: warning; vLLM's "
+        "is info)",
+    )
+    parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let tool_choice "auto" (the default with tools) answer with calls, which '
@@ -360,6 +372,8 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice requires --tool-call-parser")
     chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    if args.enable_log_requests:
+        logging.getLogger("pdserve.requests").setLevel(logging.INFO)
     engine = AsyncLLM.from_engine_args(**engine_args)
     if chat_template is not None:
         # The one tokenizer every endpoint renders chats with (chat, tokenize, render).
@@ -374,7 +388,11 @@ def run_server(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
         args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
     drain.server = server

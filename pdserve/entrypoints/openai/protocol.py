@@ -112,7 +112,7 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extension: the prompt tokens' logprobs, that many alternatives each.
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     # A msgspec struct, which the validator builds; the schema shows the JSON object it takes.
     kv_transfer_params: Annotated[
         KVTransferParams | None,
@@ -208,10 +208,16 @@ class _SamplingRequest(BaseModel):
         return params
 
     def to_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """Raises ValueError (its message starts with the field name) for an invalid value."""
-        set_fields = {
+        """Raises ValueError (its message starts with the field name) for an invalid value.
+        `defaults`: the values of the sampling fields the request leaves unset."""
+        set_fields = dict(defaults or {})
+        set_fields |= {
             name: getattr(self, name)
             for name in (
                 "temperature",
@@ -245,7 +251,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     # OpenAI's default for completions.
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
 
     def prompts(self) -> list[str | dict[str, Any]]:
@@ -321,7 +327,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
 
     tools: list[ChatTool] | None = None

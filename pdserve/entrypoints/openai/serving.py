@@ -11,6 +11,7 @@ from typing import Any
 
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
+from pdserve.engine.input_processor import check_logprobs
 from pdserve.entrypoints.openai import tool_calls
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import (
@@ -24,6 +25,8 @@ from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestOut
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# --enable-log-requests: at INFO, whatever --log-level says (vLLM's request logger).
+request_logger = logging.getLogger("pdserve.requests")
 
 Prompt = str | dict[str, Any]
 
@@ -82,7 +85,11 @@ class OpenAIServing:
         # --enable-auto-tool-choice's parser (tool_choice "auto"); None: "auto" is refused.
         self.tool_parser = None if tool_parser is None else TOOL_PARSERS.get(tool_parser)()
         self.model_name = model_name
-        self.max_model_len = engine.config.model_config.max_model_len
+        mc = engine.config.model_config
+        self.max_model_len = mc.max_model_len
+        self.max_logprobs = mc.max_logprobs
+        # The generation config's, for the sampling fields a request leaves unset (vLLM's).
+        self.default_sampling_params = mc.default_sampling_params
         self.max_pending_requests = max_pending_requests
         # The prefill hand-offs requests in flight here read, and by whom: a hand-off serves
         # one request, and a second one naming it (a replay, a reused X-Request-Id) fails.
@@ -136,9 +143,15 @@ class OpenAIServing:
                 param="max_tokens",
             )
         try:
-            return req.to_sampling_params(
-                room if max_tokens is None else max_tokens, logprobs, prompt_logprobs
+            params = req.to_sampling_params(
+                room if max_tokens is None else max_tokens,
+                logprobs,
+                prompt_logprobs,
+                self.default_sampling_params,
             )
+            field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+            check_logprobs(params, self.max_logprobs, field)
+            return params
         except ValueError as e:
             raise OpenAIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -151,6 +164,15 @@ class OpenAIServing:
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """A stream gets each step's new part (DELTA), a response only the final outputs."""
         self.check_capacity()
+        if request_logger.isEnabledFor(logging.INFO):
+            for i, (prompt, params) in enumerate(prompts):
+                request_logger.info(
+                    "Received request %s: prompt_token_ids: %s, params: %s, kv_transfer_params: %s",
+                    request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                    prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt,
+                    params,
+                    kv_transfer_params,
+                )
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         streams = [
             self.engine.generate(
