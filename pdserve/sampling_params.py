@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import msgspec
@@ -80,6 +81,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        # A subnormal is zero to a process that flushes them (the engine's CPU kernels do):
+        # the smallest normal float stands in, so every process reads a value above zero.
+        if 0.0 < self.top_p < sys.float_info.min:
+            self.top_p = sys.float_info.min
+        if 0.0 < self.repetition_penalty < sys.float_info.min:
+            self.repetition_penalty = sys.float_info.min
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:

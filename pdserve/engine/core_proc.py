@@ -98,7 +98,15 @@ class EngineCoreProc:
             raise ValueError(f"expected 2 frames, got {len(frames)}")
         kind, payload = EngineCoreRequestType(frames[0].bytes), frames[1].buffer
         if kind is EngineCoreRequestType.ADD:
-            request = self.request_decoder.decode(payload)
+            try:
+                request = self.request_decoder.decode(payload)
+            except (msgspec.DecodeError, ValueError) as e:
+                # Refused with its id, if it has one: its client must not wait forever.
+                fields = msgspec.msgpack.decode(payload)
+                if not (isinstance(fields, list) and fields and isinstance(fields[0], str)):
+                    raise
+                rejected[fields[0]] = f"The engine could not read the request: {e}"
+                return True
             try:
                 self.engine.add_request(request)
             except ValueError as e:

@@ -35,8 +35,16 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
         )
 
 
-def check_logprobs(params: SamplingParams, max_logprobs: int, field: str = "logprobs") -> None:
-    """vLLM's --max-logprobs limit (-1: none); `field` names the request's logprobs field."""
+def check_params_for_model(
+    params: SamplingParams, vocab_size: int, max_logprobs: int, field: str = "logprobs"
+) -> None:
+    """What SamplingParams cannot check alone: stop token ids inside the vocabulary, and
+    vLLM's --max-logprobs limit (-1: none). `field` names the request's logprobs field."""
+    bad = [t for t in params.stop_token_ids or () if t >= vocab_size]
+    if bad:
+        raise ValueError(
+            f"stop_token_ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})."
+        )
     if max_logprobs < 0:
         return
     for name, num in ((field, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
@@ -102,7 +110,7 @@ class InputProcessor:
         kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
     ) -> EngineCoreRequest:
-        check_logprobs(params, self.max_logprobs)
+        check_params_for_model(params, self.vocab_size, self.max_logprobs)
         # Extra EOS ids of the generation config stop generation like stop_token_ids do.
         primary_eos = self.eos_token_ids[0] if self.eos_token_ids else None
         extra = [t for t in self.eos_token_ids[1:] if not params.ignore_eos]

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.entrypoints.openai.errors import OpenAIError, error_responses
+from pdserve.entrypoints.openai.errors import GENERATION_200, OpenAIError, error_responses
 from pdserve.entrypoints.proxy_decode_leg import DecodeLeg, close_unread, open_decode
 from pdserve.entrypoints.proxy_instances import (
     InstancePool,
@@ -41,6 +41,7 @@ from pdserve.entrypoints.proxy_instances import (
     upstream_error,
 )
 from pdserve.entrypoints.proxy_metrics import ProxyMetrics
+from pdserve.entrypoints.proxy_openapi import ProxySchema
 from pdserve.entrypoints.proxy_prefill_leg import PrefillLeg, prefill_leg
 from pdserve.entrypoints.proxy_prompts import PromptTokens
 from pdserve.entrypoints.proxy_routing import (
@@ -105,7 +106,8 @@ def build_proxy_app(
         for pool in pools.values():
             await pool.close()
 
-    app = FastAPI(lifespan=lifespan)
+    # /openapi.json is served below: the request bodies are the decode instances'.
+    app = FastAPI(lifespan=lifespan, openapi_url=None)
     app.add_middleware(_Arrival)
     # X-Request-Ids of the requests being served: one names both hops of its request, so a
     # second request in flight under the same id is refused before it reaches an instance.
@@ -320,11 +322,16 @@ def build_proxy_app(
         finally:
             metrics.requests_by_path.labels(*served).inc()
 
-    @app.post("/v1/completions", responses=error_responses(400, 401, 404, 502, 503))
+    @app.post(
+        "/v1/completions", responses={**GENERATION_200, **error_responses(400, 401, 404, 502, 503)}
+    )
     async def completions(request: Request) -> Response:
         return await handle(request, "completions")
 
-    @app.post("/v1/chat/completions", responses=error_responses(400, 401, 404, 502, 503))
+    @app.post(
+        "/v1/chat/completions",
+        responses={**GENERATION_200, **error_responses(400, 401, 404, 502, 503)},
+    )
     async def chat_completions(request: Request) -> Response:
         return await handle(request, "chat/completions")
 
@@ -345,6 +352,12 @@ def build_proxy_app(
     )
     async def metrics_page() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    schema = ProxySchema(app, pools["decode"])
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(await schema.get())
 
     @app.get("/health", responses={503: {"description": "Nothing can serve."}})
     async def health() -> JSONResponse:

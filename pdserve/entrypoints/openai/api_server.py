@@ -28,12 +28,18 @@ from pdserve import envs
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.entrypoints.openai.drain import Drain
-from pdserve.entrypoints.openai.errors import OpenAIError, error_responses, without_validation_422
+from pdserve.entrypoints.openai.errors import (
+    GENERATION_200,
+    OpenAIError,
+    error_responses,
+    without_validation_422,
+)
 from pdserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    declare_model_limits,
 )
 from pdserve.entrypoints.openai.serving import OpenAIServing, Prompt, RequestFailedError
 from pdserve.entrypoints.openai.tokenization import detokenize, tokenize
@@ -121,7 +127,8 @@ def build_app(
         first = e.errors()[0]
         if first.get("type") == "json_invalid":
             return error_response(OpenAIError(400, f"Malformed JSON body: {first.get('msg')}"))
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        # A union body's errors name its member first (TokenizePromptRequest): not a field.
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not str(x)[:1].isupper()]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
         return error_response(OpenAIError(400, message, param=param))
@@ -179,7 +186,9 @@ def build_app(
                 await serving.release_if_rejected(body, rid)
             raise
 
-    @app.post("/v1/completions", responses=error_responses(400, 401, 404, 503))
+    @app.post(
+        "/v1/completions", responses={**GENERATION_200, **error_responses(400, 401, 404, 503)}
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         rid = request_id_of(request)
         return await refusing(
@@ -193,7 +202,9 @@ def build_app(
             ),
         )
 
-    @app.post("/v1/chat/completions", responses=error_responses(400, 401, 404, 503))
+    @app.post(
+        "/v1/chat/completions", responses={**GENERATION_200, **error_responses(400, 401, 404, 503)}
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         rid = request_id_of(request)
         return await refusing(
@@ -295,7 +306,12 @@ def build_app(
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     openapi = app.openapi
-    app.openapi = lambda: without_validation_422(openapi())  # type: ignore[method-assign]
+    mc = engine.config.model_config
+    limits = {
+        "vocab": mc.vocab_size - 1,
+        "max_logprobs": None if mc.max_logprobs < 0 else mc.max_logprobs,
+    }
+    app.openapi = lambda: declare_model_limits(without_validation_422(openapi()), limits)  # type: ignore[method-assign]
     return app
 
 

@@ -34,6 +34,15 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": _TYPES[status]} for status in statuses}
 
 
+# A completion's 200: JSON, or with "stream": true server-sent events.
+GENERATION_200 = {
+    200: {
+        "description": "The answer, or its stream of server-sent events",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
+
+
 def without_validation_422(schema: dict[str, Any]) -> dict[str, Any]:
     """FastAPI declares 422 for a bad body; pdserve answers 400 (OpenAI's, declared per route)."""
     for operations in schema.get("paths", {}).values():

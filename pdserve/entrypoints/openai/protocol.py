@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -40,6 +41,28 @@ _NOT_YET: dict[str, tuple[str, tuple[Any, ...]]] = {
     "suffix": ("suffix", (None, "")),
     "truncate_prompt_tokens": ("prompt truncation", (None,)),
 }
+
+
+# Token ids are non-negative; the app's schema adds the model's vocabulary as their maximum.
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: 2.0 is one (no other coercion; strict mode refuses the rest)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Constraints go before it in Annotated: after it, pydantic cannot put them in the schema.
+INTEGRAL = BeforeValidator(_integral)
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-limit": "vocab"}), INTEGRAL]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+_LOGPROBS = {"x-limit": "max_logprobs"}
+
+
+def _off(name: str) -> dict[str, Any]:
+    feature, off = _NOT_YET[name]
+    return {"enum": list(off), "description": f"not supported by pdserve yet ({feature})"}
 
 
 # Strict: a field's value is taken only as its declared type (no "true" for a bool, no 1.5 for
@@ -83,7 +106,7 @@ class StructuredOutputs(BaseModel):
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[NonEmptyStr] | None = Field(default=None, min_length=1)
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
@@ -94,25 +117,29 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, arbitrary_types_allowed=True)
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    # The ranges SamplingParams checks, declared so that the schema says them.
+    n: Annotated[int, Field(ge=1), INTEGRAL] = 1
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    # The largest double below 2**63 is the top: a JSON number past it would not be an int64.
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1024), INTEGRAL] | None = None
+    stop: str | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+    min_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extension: the prompt tokens' logprobs, that many alternatives each.
-    prompt_logprobs: int | None = Field(default=None, ge=0)
+    prompt_logprobs: Annotated[int, Field(ge=0, json_schema_extra=_LOGPROBS), INTEGRAL] | None = (
+        None
+    )
     # A msgspec struct, which the validator builds; the schema shows the JSON object it takes.
     kv_transfer_params: Annotated[
         KVTransferParams | None,
@@ -123,18 +150,21 @@ class _SamplingRequest(BaseModel):
     # vLLM's older names for structured_outputs' constraints.
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[NonEmptyStr] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
-    structural_tag: Any = None
-    functions: Any = None
-    function_call: Any = None
-    logit_bias: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
-    use_beam_search: Any = None
-    best_of: Any = None
-    suffix: Any = None
-    truncate_prompt_tokens: Any = None
+    # Not implemented yet: the schema takes only the values that leave them off.
+    structural_tag: Any = Field(default=None, json_schema_extra=_off("structural_tag"))
+    functions: Any = Field(default=None, json_schema_extra=_off("functions"))
+    function_call: Any = Field(default=None, json_schema_extra=_off("function_call"))
+    logit_bias: Any = Field(default=None, json_schema_extra=_off("logit_bias"))
+    bad_words: Any = Field(default=None, json_schema_extra=_off("bad_words"))
+    allowed_token_ids: Any = Field(default=None, json_schema_extra=_off("allowed_token_ids"))
+    use_beam_search: Any = Field(default=None, json_schema_extra=_off("use_beam_search"))
+    best_of: Any = Field(default=None, json_schema_extra=_off("best_of"))
+    suffix: Any = Field(default=None, json_schema_extra=_off("suffix"))
+    truncate_prompt_tokens: Any = Field(
+        default=None, json_schema_extra=_off("truncate_prompt_tokens")
+    )
 
     @field_validator(*_NOT_YET)
     @classmethod
@@ -248,10 +278,15 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     # OpenAI's default for completions.
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0)
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = 16
+    logprobs: Annotated[int, Field(ge=0, json_schema_extra=_LOGPROBS), INTEGRAL] | None = None
     echo: bool = False
 
     def prompts(self) -> list[str | dict[str, Any]]:
@@ -324,10 +359,10 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     # None: up to the model's context length.
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: Annotated[int, Field(ge=0, json_schema_extra=_LOGPROBS), INTEGRAL] | None = None
     add_generation_prompt: bool = True
 
     tools: list[ChatTool] | None = None
@@ -363,8 +398,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def tool_constraint(self) -> StructuredOutputsParams | None:
         """Structured outputs for "required" and a named function; ValueError naming the
         field for a tool choice the tools do not allow."""
-        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise ValueError("tool_choice needs tools: the request has none.")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools: the request has none.")
         for i, tool in enumerate(self.tools or ()):
             if tool.function.parameters is not None:
                 grammar.check(
@@ -383,21 +418,55 @@ class ChatCompletionRequest(_SamplingRequest):
         return None
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages under the model's template."""
+class TokenizePromptRequest(BaseModel):
+    """vLLM's /tokenize of a prompt."""
 
     model_config = _STRICT
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str
+    messages: None = None  # declared, so that a body with both fits neither form
     add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's /tokenize of chat messages under the model's template."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    prompt: None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+
+TokenizeRequest = TokenizePromptRequest | TokenizeChatRequest
 
 
 class DetokenizeRequest(BaseModel):
     model_config = _STRICT
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+def declare_model_limits(schema: dict[str, Any], limits: dict[str, int | None]) -> dict[str, Any]:
+    """The served model's limits as maximums in the OpenAPI schema: token ids below the
+    vocabulary size, logprobs up to --max-logprobs (None: no limit), at the nodes marked
+    "x-limit"."""
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            limit = node.pop("x-limit", None)
+            if limit is not None and limits[limit] is not None:
+                node["maximum"] = limits[limit]
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema

@@ -9,9 +9,11 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import msgspec
+
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
-from pdserve.engine.input_processor import check_logprobs
+from pdserve.engine.input_processor import check_params_for_model
 from pdserve.entrypoints.openai import tool_calls
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import (
@@ -88,6 +90,7 @@ class OpenAIServing:
         mc = engine.config.model_config
         self.max_model_len = mc.max_model_len
         self.max_logprobs = mc.max_logprobs
+        self.vocab_size = mc.vocab_size
         # The generation config's, for the sampling fields a request leaves unset (vLLM's).
         self.default_sampling_params = mc.default_sampling_params
         self.max_pending_requests = max_pending_requests
@@ -149,8 +152,13 @@ class OpenAIServing:
                 prompt_logprobs,
                 self.default_sampling_params,
             )
-            field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
-            check_logprobs(params, self.max_logprobs, field)
+            checked, field = params, "logprobs"
+            if isinstance(req, ChatCompletionRequest):
+                # top_logprobs is refused past the limit even with logprobs off, as the
+                # schema's maximum says.
+                checked = msgspec.structs.replace(params, logprobs=req.top_logprobs)
+                field = "top_logprobs"
+            check_params_for_model(checked, self.vocab_size, self.max_logprobs, field)
             return params
         except ValueError as e:
             raise OpenAIError(400, str(e), param=str(e).split(" ", 1)[0]) from None

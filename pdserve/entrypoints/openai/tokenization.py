@@ -7,14 +7,16 @@ from typing import Any
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.input_processor import render_chat
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from pdserve.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+)
 
 
 def tokenize(engine: AsyncLLM, req: TokenizeRequest) -> dict[str, Any]:
     tokenizer = engine.tokenizer
-    if (req.prompt is None) == (req.messages is None):
-        raise OpenAIError(400, "Give exactly one of `prompt` and `messages`.", param="prompt")
-    if req.messages is not None:
+    if isinstance(req, TokenizeChatRequest):
         conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             ids = render_chat(tokenizer, conversation, req.add_generation_prompt)

@@ -58,12 +58,12 @@ def test_cli_reports_config_errors(tiny_model):
             "generate",
             "--model",
             tiny_model("llama"),
-            "--block-size",
-            "17",
+            "--max-num-seqs",
+            "0",
         ],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 2
-    assert "block_size" in result.stderr
+    assert "max_num_seqs" in result.stderr and "Traceback" not in result.stderr
