@@ -170,7 +170,10 @@ def build_proxy_app(
             why_local = local_policy(
                 routing, decode_route, len(tokens), block_size, pools["prefill"]
             )
-        if why_local is not None:
+        if endpoint == "completions" and _is_batch(body.get("prompt")):
+            # One hand-off carries one prompt's KV; the decode instance computes a batch.
+            leg = PrefillLeg(reason="batch", detail="a batch of prompts")
+        elif why_local is not None:
             leg = PrefillLeg(reason="policy", detail=why_local)
         else:
             leg = await prefill_leg(routers["prefill"], hashes, body, endpoint, headers)
@@ -414,3 +417,8 @@ def run_proxy(args: argparse.Namespace) -> int:
         )
     ).run()
     return 0
+
+
+def _is_batch(prompt: Any) -> bool:
+    """Several prompts in one completions body (a list of strings or of token-id lists)."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)

@@ -77,6 +77,7 @@ class StructuredOutputManager:
     def __init__(self, model_config: ModelConfig, max_num_seqs: int) -> None:
         self.model_config = model_config
         self.vocab_size = model_config.vocab_size
+        self.stop_token_ids = model_config.eos_token_ids
         self.max_num_seqs = max_num_seqs
         # One thread: compiles run one at a time, beside the step loop, never in it.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
@@ -121,6 +122,14 @@ class StructuredOutputManager:
                 bitmask[row].fill_(-1)
             else:
                 matcher.fill_next_token_bitmask(bitmask, row)
+                if not bitmask[row].any():
+                    # A dead end: no token continues the grammar (one whose text the
+                    # vocabulary cannot spell). The request stops rather than loop on nothing.
+                    logger.warning("Request %s: its grammar allows no token.", request.request_id)
+                    bitmask[row].zero_()
+                    for token_id in self.stop_token_ids:
+                        bit = 1 << (token_id % 32)  # as an int32: bit 31 is the sign
+                        bitmask[row, token_id // 32] |= bit - (bit >> 31 << 32)
         return GrammarBitmask(
             [r.request_id for r in sampling], bitmask[: len(sampling)].numpy().tobytes()
         )

@@ -83,6 +83,29 @@ def test_remote_path(
     assert _counted(split, "remote", "none") == counted + 1
 
 
+def test_a_batch_of_prompts_is_served_locally_and_told(
+    servers: dict[str, RemoteServer], split: RemoteServer, model: str, reference: list[int]
+) -> None:
+    """A hand-off carries one prompt's KV: a batch's prompts are computed on the decode
+    instance (before, each read the first prompt's hand-off). The decode instance itself
+    refuses a batch with kv_transfer_params."""
+    transfers = servers["decode"].metric("kv_transfers_total")
+    raw = split.client().completions.with_raw_response.create(
+        model=model, prompt=[PROMPT, PROMPT[:20]], max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert raw.headers["X-PD-Path"] == "local; reason=batch"
+    choices = sorted(raw.parse().choices, key=lambda c: c.index)
+    assert choices[0].model_extra["token_ids"] == reference
+    assert servers["decode"].metric("kv_transfers_total") == transfers
+    with pytest.raises(openai.BadRequestError) as e:
+        servers["decode"].client().completions.create(
+            model=model, prompt=[PROMPT, PROMPT], max_tokens=2,
+            extra_body={"kv_transfer_params": {"do_remote_decode": True}},
+        )  # fmt: skip
+    assert e.value.body["param"] == "kv_transfer_params"
+
+
 def test_prefill_without_kv_transfer_params_is_served_locally_and_told(
     servers: dict[str, RemoteServer], model: str, reference: list[int]
 ) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
 from pdserve.utils import get_open_port
+from tests.utils.venvs import console_script
 
 VERSION = "0.1.17"
 _REPO = Path(__file__).resolve().parents[2]
@@ -20,13 +20,7 @@ VENV = Path(os.environ.get("PDSERVE_ROUTER_VENV", _REPO / ".venv-router"))
 
 def router_binary() -> Path:
     """The `vllm-router` console script, installed on first use (pinned, its own venv)."""
-    binary = VENV / "bin" / "vllm-router"
-    if not binary.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run(
-            [str(VENV / "bin" / "pip"), "install", "-q", f"vllm-router=={VERSION}"], check=True
-        )
-    return binary
+    return console_script(VENV, f"vllm-router=={VERSION}", "vllm-router")
 
 
 class Router:

@@ -310,6 +310,7 @@ def build_app(
     limits = {
         "vocab": mc.vocab_size - 1,
         "max_logprobs": None if mc.max_logprobs < 0 else mc.max_logprobs,
+        "max_num_seqs": engine.config.scheduler_config.max_num_seqs,
     }
     app.openapi = lambda: declare_model_limits(without_validation_422(openapi()), limits)  # type: ignore[method-assign]
     return app

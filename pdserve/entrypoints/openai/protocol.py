@@ -118,7 +118,8 @@ class _SamplingRequest(BaseModel):
 
     model: str | None = None
     # The ranges SamplingParams checks, declared so that the schema says them.
-    n: Annotated[int, Field(ge=1), INTEGRAL] = 1
+    # At most --max-num-seqs (filled in per app): every sequence of a request runs at once.
+    n: Annotated[int, Field(ge=1, json_schema_extra={"x-limit": "max_num_seqs"}), INTEGRAL] = 1
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None

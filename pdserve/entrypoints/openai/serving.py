@@ -91,6 +91,7 @@ class OpenAIServing:
         self.max_model_len = mc.max_model_len
         self.max_logprobs = mc.max_logprobs
         self.vocab_size = mc.vocab_size
+        self.max_num_seqs = engine.config.scheduler_config.max_num_seqs
         # The generation config's, for the sampling fields a request leaves unset (vLLM's).
         self.default_sampling_params = mc.default_sampling_params
         self.max_pending_requests = max_pending_requests
@@ -136,6 +137,13 @@ class OpenAIServing:
         num_prompt_tokens: int,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
+        if req.n > self.max_num_seqs:
+            raise OpenAIError(
+                400,
+                f"n is {req.n}, more sequences than run at once here "
+                f"(max_num_seqs={self.max_num_seqs}).",
+                param="n",
+            )
         room = self.max_model_len - num_prompt_tokens
         if max_tokens is not None and max_tokens > room:
             raise OpenAIError(
@@ -172,6 +180,13 @@ class OpenAIServing:
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """A stream gets each step's new part (DELTA), a response only the final outputs."""
         self.check_capacity()
+        if len(prompts) > 1 and kv_transfer_params is not None:
+            raise OpenAIError(
+                400,
+                "kv_transfer_params hand over one prompt's KV; this request has "
+                f"{len(prompts)} prompts: send them one per request.",
+                param="kv_transfer_params",
+            )
         if request_logger.isEnabledFor(logging.INFO):
             for i, (prompt, params) in enumerate(prompts):
                 request_logger.info(
