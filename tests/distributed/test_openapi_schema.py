@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils.pd import start_instance
+from tests.utils.pd import split_proxy, start_instance
 from tests.utils.server import RemoteServer
 from tests.utils.venvs import console_script
 
@@ -67,11 +67,8 @@ def test_proxy(tiny_model: Callable[[str], str]) -> None:
     with (
         start_instance(model, "kv_producer", extra_args=ENGINE_ARGS[2:]) as p,
         start_instance(model, "kv_consumer", extra_args=ENGINE_ARGS[2:]) as d,
-        RemoteServer(
-            ["proxy", "--prefill", p.url.removeprefix("http://"),
-             "--decode", d.url.removeprefix("http://"), "--pd-min-uncached-tokens", "0"]
-        ) as proxy,
-    ):  # fmt: skip
+        split_proxy(p, d) as proxy,
+    ):
         _fuzz(proxy.url)
         p.wait_pool_full(timeout=60)
         d.wait_pool_full(timeout=60)

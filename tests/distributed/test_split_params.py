@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.utils.pd import greedy_body, start_instance
+from tests.utils.pd import greedy_body, split_proxy, start_instance
 from tests.utils.server import RemoteServer
 
 BLOCK = 16
@@ -38,17 +38,7 @@ def servers(tiny_model: Callable[[str], str]) -> Iterator[dict[str, Any]]:
         start_instance(model, "kv_producer") as p,
         start_instance(model, "kv_consumer") as d,
         RemoteServer(["serve", "--model", model, "--dtype", "float32"]) as plain,
-        RemoteServer(
-            [
-                "proxy",
-                "--prefill",
-                p.url.removeprefix("http://"),
-                "--decode",
-                d.url.removeprefix("http://"),
-                "--pd-min-uncached-tokens",
-                "0",
-            ]
-        ) as proxy,
+        split_proxy(p, d) as proxy,
     ):
         yield {"model": model, "prefill": p, "decode": d, "plain": plain, "proxy": proxy}
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from pdserve.models.loader import default_model_path
-from tests.utils.pd import start_instance
+from tests.utils.pd import split_proxy, start_instance
 from tests.utils.server import RemoteServer
 
 TEMPLATE = str(Path(__file__).parents[2] / "examples" / "tool_chat_template_smollm2.jinja")
@@ -78,17 +78,7 @@ def servers() -> Iterator[dict[str, Any]]:
         RemoteServer(["serve", model, "--dtype", "float32", *TOOL_FLAGS]) as plain,
         start_instance(model, "kv_producer", extra_args=TOOL_FLAGS) as p,
         start_instance(model, "kv_consumer", extra_args=TOOL_FLAGS) as d,
-        RemoteServer(
-            [
-                "proxy",
-                "--prefill",
-                p.url.removeprefix("http://"),
-                "--decode",
-                d.url.removeprefix("http://"),
-                "--pd-min-uncached-tokens",
-                "0",
-            ]
-        ) as proxy,
+        split_proxy(p, d) as proxy,
     ):
         yield {"model": model, "plain": plain, "proxy": proxy, "decode": d}
 

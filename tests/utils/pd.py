@@ -132,3 +132,11 @@ def greedy_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any
         "temperature": 0,
         "ignore_eos": True,
     }
+
+
+def split_proxy(prefill: RemoteServer, decode: RemoteServer, *flags: str) -> RemoteServer:
+    """`pdserve proxy` over one prefill and one decode instance, every prompt through the
+    prefill leg (--pd-min-uncached-tokens 0: these test the split)."""
+    args = ["proxy", "--prefill", prefill.url.removeprefix("http://")]
+    args += ["--decode", decode.url.removeprefix("http://"), "--pd-min-uncached-tokens", "0"]
+    return RemoteServer([*args, *flags])
