@@ -24,6 +24,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.distributed.kv_event_subscriber import CachedBlocks  # noqa: E402
+from pdserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pdserve.entrypoints.proxy_instances import InstancePool  # noqa: E402
 from pdserve.entrypoints.proxy_prompts import PromptTokens  # noqa: E402
 from pdserve.entrypoints.proxy_routing import Router, RoutingConfig  # noqa: E402
@@ -66,14 +67,14 @@ def main() -> None:
                 {"role": "user", "content": "Tell me more about it."},
             ],
         }
-        token_ids = prompts.of(body, "chat/completions")
+        token_ids = prompts.of(ChatCompletionRequest.model_validate(body))
         # One instance holds the prompt's blocks, as if it had served it before.
         holder = pool.instances[-1]
         router.caches[holder.url].from_events.hashes.update(router.hashes(token_ids))
         tokenize, hashing, picking, both = [], [], [], []
         for _ in range(args.requests):
             t0 = time.perf_counter()
-            ids = prompts.of(body, "chat/completions")
+            ids = prompts.of(ChatCompletionRequest.model_validate(body))
             t1 = time.perf_counter()
             hashes = router.hashes(ids)
             t2 = time.perf_counter()

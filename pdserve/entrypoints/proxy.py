@@ -31,9 +31,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.entrypoints.openai.errors import GENERATION_200, OpenAIError, error_responses
+from pdserve.entrypoints.openai.errors import (
+    GENERATION_200,
+    OpenAIError,
+    error_responses,
+    validation_error,
+)
+from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.proxy_decode_leg import DecodeLeg, close_unread, open_decode
 from pdserve.entrypoints.proxy_instances import (
     InstancePool,
@@ -127,6 +134,11 @@ def build_proxy_app(
             raise OpenAIError(400, f"Malformed JSON body: {e}") from None
         if not isinstance(body, dict):
             raise OpenAIError(400, "The request body must be a JSON object.")
+        # Checked as the instances check it (their limits aside): the proxy reads its fields.
+        try:
+            req = _BODIES[endpoint].model_validate(body)
+        except ValidationError as e:
+            raise validation_error(list(e.errors())) from None
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         if request_id in in_flight:
             raise OpenAIError(
@@ -137,7 +149,7 @@ def build_proxy_app(
         in_flight.add(request_id)
         relaying = False
         try:
-            response = await split(request, request_id, body, endpoint, arrival)
+            response = await split(request, request_id, body, req, endpoint, arrival)
             relaying = isinstance(response, StreamingResponse)
             return response
         finally:
@@ -145,7 +157,12 @@ def build_proxy_app(
                 in_flight.discard(request_id)
 
     async def split(
-        request: Request, request_id: str, body: dict[str, Any], endpoint: str, arrival: float
+        request: Request,
+        request_id: str,
+        body: dict[str, Any],
+        req: CompletionRequest | ChatCompletionRequest,
+        endpoint: str,
+        arrival: float,
     ) -> Response:
         """Both hops of one request; a stream's id stays in flight until its relay ends."""
         headers = {"X-Request-Id": request_id}
@@ -160,7 +177,7 @@ def build_proxy_app(
                 param="prompt_logprobs",
             )
 
-        tokens = prompts.of(body, endpoint)
+        tokens = prompts.of(req)
         hashes = routers["prefill"].hashes(tokens)
         decode_route = routers["decode"].pick(hashes)
         prefill_start = time.perf_counter()
@@ -417,6 +434,12 @@ def run_proxy(args: argparse.Namespace) -> int:
         )
     ).run()
     return 0
+
+
+_BODIES: dict[str, type[CompletionRequest | ChatCompletionRequest]] = {
+    "completions": CompletionRequest,
+    "chat/completions": ChatCompletionRequest,
+}
 
 
 def _is_batch(prompt: Any) -> bool:

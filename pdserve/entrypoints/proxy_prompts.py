@@ -4,9 +4,6 @@ cache-aware router hashes them (proxy_routing.py)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from pydantic import ValidationError
 
 from pdserve.engine.input_processor import render_chat
 from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -30,20 +27,19 @@ class PromptTokens:
             self.tokenizer = loader.load_tokenizer(loader.resolve_model_source(model))
             logger.info("Routing by prompt tokens, with the tokenizer of %s", model)
 
-    def of(self, body: dict[str, Any], endpoint: str) -> list[int]:
-        """The first prompt's token ids; [] when the body has none the proxy can read (the
-        instance then answers for it), which routes the request without a cache preference."""
+    def of(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """The first prompt's token ids; [] when the proxy cannot compute them (the instance
+        then answers for it), which routes the request without a cache preference."""
         if self.tokenizer is None:
             return []
         try:
-            if endpoint == "chat/completions":
-                chat = ChatCompletionRequest.model_validate(body)
-                return render_chat(self.tokenizer, chat.conversation(), tools=chat.template_tools())
+            if isinstance(req, ChatCompletionRequest):
+                return render_chat(self.tokenizer, req.conversation(), tools=req.template_tools())
             # A batch: its first prompt speaks for it.
-            first = CompletionRequest.model_validate(body).prompts()[0]
+            first = req.prompts()[0]
             if isinstance(first, str):
                 return self.tokenizer.encode(first)
             return list(first["prompt_token_ids"])
-        except (ValidationError, ValueError, TypeError, IndexError) as e:
+        except (ValueError, TypeError, IndexError) as e:
             logger.debug("No prompt tokens for routing: %s", e)
         return []

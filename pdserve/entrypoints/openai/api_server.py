@@ -124,14 +124,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0]
-        if first.get("type") == "json_invalid":
-            return error_response(OpenAIError(400, f"Malformed JSON body: {first.get('msg')}"))
-        # A union body's errors name its member first (TokenizePromptRequest): not a field.
-        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not str(x)[:1].isupper()]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return error_response(OpenAIError(400, message, param=param))
+        return error_response(validation_error(list(e.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

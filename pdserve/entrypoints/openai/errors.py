@@ -53,6 +53,18 @@ def without_validation_422(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def validation_error(errors: list[Any]) -> OpenAIError:
+    """The 400 of a body that does not validate: its first error, naming the field."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return OpenAIError(400, f"Malformed JSON body: {first.get('msg')}")
+    # A union body's errors name its member first (TokenizePromptRequest): not a field.
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not str(x)[:1].isupper()]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return OpenAIError(400, message, param=param)
+
+
 class OpenAIError(Exception):
     def __init__(
         self, status: int, message: str, type: str | None = None, param: str | None = None
