@@ -28,6 +28,7 @@ from pdserve.engine.async_llm import AsyncLLM  # noqa: E402
 from pdserve.engine.messages import EngineCoreOutputs, EngineCoreRequest  # noqa: E402
 from pdserve.entrypoints.openai.protocol import CompletionRequest  # noqa: E402
 from pdserve.entrypoints.openai.serving import OpenAIServing  # noqa: E402
+from pdserve.entrypoints.openai.serving_completion import OpenAIServingCompletion  # noqa: E402
 from pdserve.outputs import EngineCoreOutput, LogprobsLists  # noqa: E402
 from pdserve.request import FinishReason  # noqa: E402
 
@@ -82,7 +83,9 @@ async def one_stream(serving: OpenAIServing, fake: FakeEngineCore, n: int, logpr
     )
     events = 0
     start = time.process_time()
-    async for _ in serving.completion_stream(req, f"bench-{n}-{time.monotonic_ns()}"):
+    async for _ in OpenAIServingCompletion(serving).completion_stream(
+        req, f"bench-{n}-{time.monotonic_ns()}"
+    ):
         events += 1
     await asyncio.gather(*fake.tasks)
     return time.process_time() - start, events

@@ -42,6 +42,8 @@ from pdserve.entrypoints.openai.protocol import (
     declare_model_limits,
 )
 from pdserve.entrypoints.openai.serving import OpenAIServing, Prompt, RequestFailedError
+from pdserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pdserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pdserve.entrypoints.openai.tokenization import detokenize, tokenize
 from pdserve.entrypoints.openai.tool_calls import TOOL_PARSERS
 from pdserve.sampling_params import SamplingParams
@@ -87,7 +89,9 @@ def build_app(
     tool_parser: str | None = None,
 ) -> FastAPI:
     """`tool_parser`: the parser tool_choice "auto" reads calls with (None: "auto" is a 400)."""
-    serving = OpenAIServing(engine, model_name, max_pending_requests, tool_parser)
+    serving = OpenAIServing(engine, model_name, max_pending_requests)
+    completion = OpenAIServingCompletion(serving)
+    chat = OpenAIServingChat(serving, tool_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -190,8 +194,8 @@ def build_app(
             respond(
                 request,
                 body.stream,
-                lambda: serving.completion(body, rid),
-                lambda: serving.completion_stream(body, rid),
+                lambda: completion.completion(body, rid),
+                lambda: completion.completion_stream(body, rid),
             ),
         )
 
@@ -206,8 +210,8 @@ def build_app(
             respond(
                 request,
                 body.stream,
-                lambda: serving.chat(body, rid),
-                lambda: serving.chat_stream(body, rid),
+                lambda: chat.chat(body, rid),
+                lambda: chat.chat_stream(body, rid),
             ),
         )
 
@@ -215,11 +219,11 @@ def build_app(
     async def completions_render(body: CompletionRequest, request: Request) -> list[dict]:
         """What each prompt would run as, without running it (vLLM's render endpoint):
         routers tokenize through it to score prefixes."""
-        return render(request_id_of(request), serving.prepare_completion(body), body.stream)
+        return render(request_id_of(request), completion.prepare_completion(body), body.stream)
 
     @app.post("/v1/chat/completions/render", responses=error_responses(400, 401, 404))
     async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict:
-        return render(request_id_of(request), serving.prepare_chat(body), body.stream)[0]
+        return render(request_id_of(request), chat.prepare_chat(body), body.stream)[0]
 
     def render(
         request_id: str, prepared: list[tuple[Prompt, SamplingParams]], stream: bool

@@ -1,11 +1,11 @@
-"""The completion and chat endpoints: request -> engine requests -> OpenAI response or SSE stream."""
+"""What the completion and chat endpoints share (serving_completion.py, serving_chat.py): the
+checks, request -> engine requests, and the pieces of an OpenAI response or SSE stream."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -14,16 +14,13 @@ import msgspec
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.engine.input_processor import check_params_for_model
-from pdserve.entrypoints.openai import tool_calls
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    StreamOptions,
 )
-from pdserve.entrypoints.openai.tool_calls import TOOL_PARSERS
 from pdserve.kv_connector.params import KV_LOAD_FAILED, KVTransferParams
-from pdserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
+from pdserve.outputs import Logprob, RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -81,11 +78,8 @@ class OpenAIServing:
         engine: AsyncLLM,
         model_name: str,
         max_pending_requests: int | None,
-        tool_parser: str | None = None,
     ) -> None:
         self.engine = engine
-        # --enable-auto-tool-choice's parser (tool_choice "auto"); None: "auto" is refused.
-        self.tool_parser = None if tool_parser is None else TOOL_PARSERS.get(tool_parser)()
         self.model_name = model_name
         mc = engine.config.model_config
         self.max_model_len = mc.max_model_len
@@ -243,7 +237,7 @@ class OpenAIServing:
             if remote is not None:
                 del self.remote_reads[remote]
 
-    # ---- completions -----------------------------------------------------------------------
+    # ---- for both endpoints ----------------------------------------------------------------
 
     async def release_if_rejected(
         self, req: CompletionRequest | ChatCompletionRequest, request_id: str
@@ -294,331 +288,12 @@ class OpenAIServing:
             return req.logprobs
         return None
 
-    def prepare_completion(self, req: CompletionRequest) -> list[tuple[Prompt, SamplingParams]]:
-        self.check_model(req.model)
-        prompt_logprobs = self.prompt_logprobs(req)
-        prepared = []
-        for prompt in req.prompts():
-            text, token_ids = self.tokenize(prompt)
-            params = self.sampling_params(
-                req, req.max_tokens, req.logprobs, len(token_ids), prompt_logprobs
-            )
-            prepared.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
-        return prepared
-
-    async def completion(
-        self, req: CompletionRequest, request_id: str
-    ) -> tuple[dict[str, Any], dict[str, str]]:
-        prompts = self.prepare_completion(req)
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in self.generate(prompts, request_id, req.kv_transfer_params, False):
-            finals[i] = out
-        choices = []
-        for i, out in sorted(finals.items()):
-            for c in out.outputs:
-                choice = self._completion_choice(
-                    req, i * req.n + c.index, c, out, req.echo, out.prompt_logprobs
-                )
-                if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
-                choices.append(choice)
-        return {
-            "id": f"cmpl-{request_id}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": usage(finals.values()),
-            "kv_transfer_params": _as_json(_first_kv_params(finals.values())),
-        }, _path_headers(finals.values())
-
-    async def completion_stream(
-        self, req: CompletionRequest, request_id: str
-    ) -> AsyncIterator[str]:
-        prompts = self.prepare_completion(req)
-        stream = self.generate(prompts, request_id, req.kv_transfer_params, True)
-        head = {
-            "id": f"cmpl-{request_id}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
-        counts = _UsageCounter()
-        continuous = StreamOptions.continuous(req.stream_options)
-        # Each choice's text so far (its first chunk echoes the prompt), for text_offset.
-        sent_chars: dict[int, int] = {}
-        # A DELTA stream has a prompt's logprobs once, with its first output that has them.
-        prompt_logprobs: dict[int, list] = {}
-        async for i, out in _reporting_errors(stream):
-            if isinstance(out, str):
-                yield out
-                return
-            counts.add(i, out)
-            if out.prompt_logprobs is not None:
-                prompt_logprobs[i] = out.prompt_logprobs
-            for c in out.outputs:  # each output holds only the step's new part
-                if not c.token_ids and not c.text and c.finish_reason is None:
-                    continue
-                index = i * req.n + c.index
-                choice = self._completion_choice(
-                    req,
-                    index,
-                    c,
-                    out,
-                    req.echo and index not in sent_chars,
-                    prompt_logprobs.get(i),
-                    sent_chars.get(index, 0),
-                )
-                sent_chars[index] = sent_chars.get(index, 0) + len(choice["text"])
-                chunk = {**head, "choices": [choice]}
-                if continuous:
-                    chunk["usage"] = counts.usage()
-                yield sse(chunk)
-        if req.stream_options and req.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": counts.usage()})
-        yield "data: [DONE]\n\n"
-
-    def _completion_choice(
-        self,
-        req: CompletionRequest,
-        index: int,
-        c: CompletionOutput,
-        out: RequestOutput,
-        echo: bool,
-        prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
-        text_offset: int = 0,
-    ) -> dict:
-        """One choice, or a stream's chunk of it. `echo`: it starts with the prompt (text and,
-        with logprobs, `prompt_logprobs`' entries); `text_offset`: the choice's text before."""
-        text, token_ids, entries = c.text, c.token_ids, c.logprobs
-        if echo:
-            prompt = out.prompt
-            if prompt is None:
-                prompt = self.engine.tokenizer.decode(out.prompt_token_ids)
-            text = prompt + text
-            if entries is not None:
-                # Without the prompt's logprobs (a decode instance's) its entries are empty.
-                prompt_entries = prompt_logprobs or [None] * len(out.prompt_token_ids)
-                token_ids, entries = out.prompt_token_ids + token_ids, prompt_entries + entries
-        return {
-            "index": index,
-            "text": text,
-            "logprobs": None
-            if entries is None
-            else self._completion_logprobs(token_ids, entries, req.logprobs or 0, text_offset),
-            "token_ids": c.token_ids,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-
-    def _completion_logprobs(
-        self,
-        token_ids: list[int],
-        entries: list[dict[int, Logprob] | None],
-        num_top: int,
-        text_offset: int,
-    ) -> dict[str, list]:
-        """OpenAI's completion logprobs, as vLLM builds them: the token, its logprob and the
-        top ones (the token and `num_top` more), null for a token without an entry (the first
-        of an echoed prompt); each token's offset is the previous one's plus its length."""
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for tid, entry in zip(token_ids, entries):
-            if entry is None:
-                token = self.engine.tokenizer.decode([tid])
-                token_logprobs.append(None)
-                top.append(None)
-            else:
-                token = entry[tid].decoded_token or ""
-                token_logprobs.append(_clamp(entry[tid].logprob))
-                top.append(
-                    {
-                        lp.decoded_token: _clamp(lp.logprob)
-                        for j, lp in enumerate(entry.values())
-                        if j <= num_top
-                    }
-                )
-            tokens.append(token)
-            offsets.append(text_offset)
-            text_offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
-
-    # ---- chat ------------------------------------------------------------------------------
-
-    def prepare_chat(self, req: ChatCompletionRequest) -> list[tuple[Prompt, SamplingParams]]:
-        self.check_model(req.model)
-        if req.tool_mode() == "auto" and self.tool_parser is None:
-            raise OpenAIError(
-                400,
-                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                "to be set",
-                param="tool_choice",
-            )
-        try:
-            token_ids = self.engine.apply_chat_template(req.conversation(), req.template_tools())
-        except ValueError as e:
-            raise OpenAIError(400, str(e), param="messages") from None
-        _, token_ids = self.tokenize({"prompt_token_ids": token_ids})
-        max_tokens = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        prompt_logprobs = self.prompt_logprobs(req)
-        return [
-            (
-                {"prompt_token_ids": token_ids},
-                self.sampling_params(req, max_tokens, top, len(token_ids), prompt_logprobs),
-            )
-        ]
-
-    async def chat(
-        self, req: ChatCompletionRequest, request_id: str
-    ) -> tuple[dict[str, Any], dict[str, str]]:
-        prompts = self.prepare_chat(req)
-        final: RequestOutput | None = None
-        async for _, final in self.generate(prompts, request_id, req.kv_transfer_params, False):  # noqa: B007
-            pass  # the one output holds the whole answer
-        assert final is not None
-        choices = []
-        for c in final.outputs:
-            message, finish_reason = self._chat_message(req, c.text, c.finish_reason)
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": message,
-                    "token_ids": c.token_ids,
-                    "logprobs": self._chat_logprobs(c, req.top_logprobs or 0),
-                    "finish_reason": finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-        response = {
-            "id": f"chatcmpl-{request_id}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": usage([final]),
-            "kv_transfer_params": _as_json(final.kv_transfer_params),
-        }
-        if req.prompt_logprobs is not None:  # vLLM's place for them: the response's
-            response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
-        return response, _path_headers([final])
-
-    async def chat_stream(self, req: ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
-        prompts = self.prepare_chat(req)
-        stream = self.generate(prompts, request_id, req.kv_transfer_params, True)
-        head = {
-            "id": f"chatcmpl-{request_id}",
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
-        continuous = StreamOptions.continuous(req.stream_options)
-        for index in range(req.n):
-            delta = {"role": "assistant", "content": ""}
-            chunk = {**head, "choices": [{"index": index, "delta": delta, "finish_reason": None}]}
-            if continuous:  # vLLM's: the prompt is counted from the first chunk on
-                chunk["usage"] = _usage(len(prompts[0][0]["prompt_token_ids"]), 0, 0)
-            yield sse(chunk)
-        counts = _UsageCounter()
-        mode = req.tool_mode()
-        tools = {} if mode == "none" else {i: self._tool_stream(req, mode) for i in range(req.n)}
-        async for i, out in _reporting_errors(stream):
-            if isinstance(out, str):
-                yield out
-                return
-            counts.add(i, out)
-            for c in out.outputs:  # each output holds only the step's new part
-                if not c.token_ids and not c.text and c.finish_reason is None:
-                    continue
-                finish_reason = c.finish_reason
-                if not tools:
-                    deltas = [{"content": c.text}]
-                else:
-                    tool_stream = tools[c.index]
-                    deltas = tool_stream.feed(c.text)
-                    if finish_reason is not None:
-                        deltas += tool_stream.finish()
-                        if tool_stream.called and mode != "named" and finish_reason == "stop":
-                            finish_reason = "tool_calls"
-                    # The step's tokens and logprobs ride on its last delta (or an empty one).
-                    deltas = [{}] * (not deltas) + deltas
-                for n, delta in enumerate(deltas, 1):
-                    last = n == len(deltas)
-                    choice = {
-                        "index": c.index,
-                        "delta": delta,
-                        "token_ids": c.token_ids if last else [],
-                        "logprobs": self._chat_logprobs(c, req.top_logprobs or 0) if last else None,
-                        "finish_reason": finish_reason if last else None,
-                    }
-                    chunk = {**head, "choices": [choice]}
-                    if continuous:
-                        chunk["usage"] = counts.usage()
-                    yield sse(chunk)
-        if req.stream_options and req.stream_options.include_usage and counts.prompt:
-            yield sse({**head, "choices": [], "usage": counts.usage()})
-        yield "data: [DONE]\n\n"
-
-    def _chat_message(
-        self, req: ChatCompletionRequest, text: str, finish_reason: str | None
-    ) -> tuple[dict[str, Any], str | None]:
-        """The assistant message of a whole answer, its tool calls read as the request's
-        tool_choice says, and the finish reason they make it."""
-        mode = req.tool_mode()
-        calls: list[dict[str, Any]] = []
-        content: str | None = text
-        if mode == "named" and finish_reason == "stop":
-            calls = [tool_calls.tool_call(req.tool_choice.function.name, text)]  # type: ignore[union-attr]
-            content = None
-        elif mode == "required" and finish_reason == "stop":
-            calls = tool_calls.required_calls(text)
-            content = None
-        elif mode == "auto":
-            content, calls = self.tool_parser.parse(text)  # type: ignore[union-attr]
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-            if mode != "named" and finish_reason == "stop":
-                finish_reason = "tool_calls"
-        return message, finish_reason
-
-    def _tool_stream(self, req: ChatCompletionRequest, mode: str) -> tool_calls.ToolCallStream:
-        name = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
-        return tool_calls.ToolCallStream(mode, name, self.tool_parser)
-
-    @staticmethod
-    def _chat_logprobs(c: CompletionOutput, num_top: int) -> dict | None:
-        if c.logprobs is None:
-            return None
-
-        def item(token: str | None, logprob: float) -> dict:
-            token = token or ""
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-        content = []
-        for tid, entry in zip(c.token_ids, c.logprobs):
-            # The sampled token is in the entry even when it is not among the top ones.
-            top = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num_top]
-            content.append(
-                {
-                    **item(entry[tid].decoded_token, entry[tid].logprob),
-                    "top_logprobs": [item(lp.decoded_token, lp.logprob) for lp in top],
-                }
-            )
-        return {"content": content}
-
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _clamp(logprob: float) -> float:
+def clamp(logprob: float) -> float:
     """-inf as OpenAI writes it (JSON has no infinities), as vLLM does."""
     return max(logprob, -9999.0)
 
@@ -632,7 +307,7 @@ def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> lis
         None
         if entry is None
         else {
-            tid: {"logprob": _clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            tid: {"logprob": clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
             for tid, lp in entry.items()
         }
         for entry in entries
@@ -642,10 +317,10 @@ def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> lis
 def usage(outputs: Any) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return _usage(prompt, completion, sum(o.num_cached_tokens for o in outputs))
+    return usage_of(prompt, completion, sum(o.num_cached_tokens for o in outputs))
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def usage_of(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     """OpenAI's usage; `cached` is the prompt tokens a prefix cache served (vLLM fills the
     details only with --enable-prompt-tokens-details, pdserve always)."""
     return {
@@ -656,7 +331,7 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
-class _UsageCounter:
+class UsageCounter:
     """A stream's usage, counted from its deltas."""
 
     def __init__(self) -> None:
@@ -670,14 +345,14 @@ class _UsageCounter:
         self.completion += sum(len(c.token_ids) for c in out.outputs)
 
     def usage(self) -> dict[str, Any]:
-        return _usage(sum(self.prompt.values()), self.completion, sum(self.cached.values()))
+        return usage_of(sum(self.prompt.values()), self.completion, sum(self.cached.values()))
 
 
-def _first_kv_params(outputs: Any) -> KVTransferParams | None:
+def first_kv_params(outputs: Any) -> KVTransferParams | None:
     return next((o.kv_transfer_params for o in outputs if o.kv_transfer_params is not None), None)
 
 
-def _path_headers(outputs: Iterable[RequestOutput]) -> dict[str, str]:
+def path_headers(outputs: Iterable[RequestOutput]) -> dict[str, str]:
     """A decode instance that recomputed a failed load says so, as the proxy does for its
     own fallbacks (a stream cannot: its headers go out with the shipped first token)."""
     if any(o.kv_load_recomputed for o in outputs):
@@ -685,7 +360,7 @@ def _path_headers(outputs: Iterable[RequestOutput]) -> dict[str, str]:
     return {}
 
 
-def _as_json(params: KVTransferParams | None) -> dict[str, Any] | None:
+def as_json(params: KVTransferParams | None) -> dict[str, Any] | None:
     return None if params is None else params.to_json()
 
 
@@ -707,7 +382,7 @@ async def _raising_on_error(
         yield i, out
 
 
-async def _reporting_errors(
+async def reporting_errors(
     stream: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[tuple[int, RequestOutput | str]]:
     """Once a stream has begun its status is sent: a failure becomes an error event, then [DONE]."""
