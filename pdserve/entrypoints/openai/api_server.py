@@ -32,6 +32,7 @@ from pdserve.entrypoints.openai.errors import (
     GENERATION_200,
     OpenAIError,
     error_responses,
+    validation_error,
     without_validation_422,
 )
 from pdserve.entrypoints.openai.protocol import (
@@ -127,7 +128,7 @@ def build_app(
         return error_response(e)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(list(e.errors())))
 
     @app.exception_handler(StarletteHTTPException)
