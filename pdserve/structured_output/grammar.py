@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING
 
 from pdserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # xgrammar's C++ errors start with "[time] /path/file.cc:line: " and sometimes an internal
 # check; the rest is the message a user can act on.
@@ -27,6 +29,9 @@ def choice_grammar(choices: list[str]) -> str:
 def check(params: StructuredOutputsParams, field: str | None = None) -> None:
     """Raise ValueError naming the field (`field`, else structured_outputs.<kind>) when the
     constraint does not parse."""
+    # Imported on first use: every API server and proxy imports this module, few need it.
+    import xgrammar as xgr
+
     kind = params.kind
     try:
         if kind == "json":

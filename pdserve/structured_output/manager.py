@@ -16,13 +16,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from pdserve.model_config import ModelConfig
 from pdserve.scheduler.output import GrammarBitmask
 from pdserve.structured_output.grammar import compile_grammar, error_message
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from pdserve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ class StructuredOutputRequest:
             return True
         if not self._compiled.done():
             return False
+        import xgrammar as xgr
+
         try:
             compiled = self._compiled.result()
         except Exception as e:
@@ -95,6 +98,9 @@ class StructuredOutputManager:
         """Built on the first constraint (in the compile thread): the tokenizer's vocabulary
         takes a fraction of a second to index."""
         if self._compiler is None:
+            # Imported here, in the compile thread: an engine without constraints never needs it.
+            import xgrammar as xgr
+
             mc = self.model_config
             info = xgr.TokenizerInfo.from_huggingface(
                 mc.load_tokenizer(),
@@ -112,6 +118,8 @@ class StructuredOutputManager:
         if not sampling:
             return None
         if self._bitmask is None:
+            import xgrammar as xgr
+
             self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
         bitmask = self._bitmask
         for row, request in enumerate(sampling):

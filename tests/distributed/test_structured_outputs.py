@@ -25,6 +25,11 @@ from pdserve.models.loader import default_model_path
 from tests.utils.pd import split_proxy, start_instance
 from tests.utils.server import RemoteServer
 
+# Four default-model servers and 49 requests of up to 120 tokens: 2+ minutes on 2 cores. The
+# default stage keeps the engine-level tests (tests/unit/engine/test_structured_outputs.py,
+# tests/unit/entrypoints/test_tool_calls.py).
+pytestmark = pytest.mark.slow
+
 TEMPLATE = str(Path(__file__).parents[2] / "examples" / "tool_chat_template_smollm2.jinja")
 TOOL_FLAGS = [
     "--chat-template",
@@ -384,7 +389,7 @@ BAD_CONSTRAINTS = [
     (
         {"extra_body": {"structured_outputs": {"choice": []}}},
         "structured_outputs.choice",
-        "non-empty",
+        "at least 1 item",
     ),
     (
         {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}},

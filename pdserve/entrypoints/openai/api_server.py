@@ -47,6 +47,7 @@ from pdserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pdserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pdserve.entrypoints.openai.tokenization import detokenize, tokenize
 from pdserve.entrypoints.openai.tool_calls import TOOL_PARSERS
+from pdserve.kv_connector.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,15 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        # A body refused before it is read may still name a prefill instance's KV: free it now
+        # rather than at the end of its lease (pd_lessons 2).
+        body = e.body if isinstance(e.body, dict) else {}
+        try:
+            params = KVTransferParams.from_json(body.get("kv_transfer_params"))
+        except (ValueError, TypeError, msgspec.ValidationError):
+            params = None
+        if params is not None:
+            await serving.release_if_rejected(params, request_id_of(request))
         return error_response(validation_error(list(e.errors())))
 
     @app.exception_handler(StarletteHTTPException)
@@ -181,7 +191,7 @@ def build_app(
             return await work
         except OpenAIError as e:
             if e.status < 500:  # refused before the engine saw it: free the prefill side's KV now
-                await serving.release_if_rejected(body, rid)
+                await serving.release_if_rejected(body.kv_transfer_params, rid)
             raise
 
     @app.post(

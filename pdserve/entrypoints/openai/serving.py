@@ -240,12 +240,12 @@ class OpenAIServing:
     # ---- for both endpoints ----------------------------------------------------------------
 
     async def release_if_rejected(
-        self, req: CompletionRequest | ChatCompletionRequest, request_id: str
+        self, kv_transfer_params: KVTransferParams | None, request_id: str
     ) -> None:
         """Called when the request is refused here: a prefill instance may hold its KV. Not
         when another request here reads that hand-off: freeing it would pull the blocks from
         under that read (the lease frees them if they are this request's)."""
-        remote = _remote_read(req.kv_transfer_params)
+        remote = _remote_read(kv_transfer_params)
         if remote is not None and remote in self.remote_reads:
             logger.warning(
                 "Rejected request %s names the hand-off %s, which request %s reads: not released.",
@@ -254,9 +254,9 @@ class OpenAIServing:
                 self.remote_reads[remote],
             )
             return
-        if req.kv_transfer_params and self.engine.dead_reason is None:
+        if kv_transfer_params and self.engine.dead_reason is None:
             try:
-                await self.engine.release_remote_kv(request_id, req.kv_transfer_params)
+                await self.engine.release_remote_kv(request_id, kv_transfer_params)
             except (TimeoutError, RuntimeError) as e:  # the lease still frees them
                 logger.warning(
                     "Could not release the remote KV of rejected request %s: %s", request_id, e
