@@ -84,6 +84,7 @@ def test_prefill_instance_keeps_held_kv_until_it_is_read(model: str) -> None:
         d.wait_pool_full()
 
 
+@pytest.mark.slow  # over a minute on 2 cores: the default stage stays under 15
 def test_rolling_restart_of_a_decode_instance_loses_no_request(model: str) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 250) for _ in range(24)] for _ in range(6)]

@@ -164,6 +164,7 @@ def test_strict_pd_never_skips_the_prefill_leg(
         assert proxy.stop() == []
 
 
+@pytest.mark.slow  # over a minute on 2 cores: the default stage stays under 15
 def test_a_dead_instance_s_leg_is_retried_on_another(model: str) -> None:
     """Prefill and decode legs alike: the instance the router chose is gone (killed between
     legs of earlier requests), the leg goes to the other one, and the client sees nothing."""
