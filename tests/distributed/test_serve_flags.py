@@ -10,7 +10,6 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -98,8 +97,9 @@ def test_the_flags_do_what_vllms_do(tiny_model: Callable[[str], str], tmp_path: 
         assert e.value.body["param"] == "top_logprobs"
         ok = client.completions.create(model=model, prompt=prompt, max_tokens=2, logprobs=2)
         assert ok.choices[0].logprobs.top_logprobs[0]
-        stats = httpx.get(f"{server.url}/server_info?config_format=json").json()
-        assert stats["vllm_config"]["model_config"]["max_model_len"] > 0
+        # --kv-cache-memory-bytes sized the cache: 8 MiB of blocks of 2 layers x K and V x
+        # 16 tokens x 2 KV heads x 16 dims x 4 bytes (float32), and the null block.
+        assert server.metric("kv_cache_total_blocks") == 8 * 2**20 // (2 * 2 * 16 * 2 * 16 * 4)
         log = server.read_log()
         assert "Received request" in log and "prompt_token_ids: [5, 17, 99, 240, 31, 8]" in log
         assert '"POST /v1/completions HTTP/1.1" 200' in log  # uvicorn's access log, at info
