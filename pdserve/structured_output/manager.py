@@ -113,8 +113,9 @@ class StructuredOutputManager:
     def grammar_bitmask(self, requests: list[Request]) -> GrammarBitmask | None:
         """Bitmask rows for the requests with a grammar that sample in the step just
         scheduled (it left each a placeholder: one with a step in flight is not scheduled)."""
-        sampling = [r for r in requests if r.structured_output is not None]
-        sampling = [r for r in sampling if r.num_output_placeholders]
+        sampling = [
+            r for r in requests if r.structured_output is not None and r.num_output_placeholders
+        ]
         if not sampling:
             return None
         if self._bitmask is None:
