@@ -64,17 +64,21 @@ class Worker:
             rank=self.rank,
         )
         tp = par.tensor_parallel_size
+        if par.pipeline_parallel_size == 1:
+            # The world is the TP group. A second group would cost each rank a second gloo loop
+            # thread, and each wakes 100 times a second while the engine idles.
+            parallel_state.init_tensor_model_parallel(dist.group.WORLD)
+            return
         # Every rank creates every group, in the same order, as torch.distributed requires.
         for stage in range(par.pipeline_parallel_size):
             ranks = list(range(stage * tp, (stage + 1) * tp))
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 parallel_state.init_tensor_model_parallel(group)
-        if par.pipeline_parallel_size > 1:
-            # Stages talk point to point, so a pipeline needs its ranks but no group of its own.
-            parallel_state.init_pipeline_model_parallel(
-                range(self.rank % tp, par.world_size, tp), self.rank
-            )
+        # Stages talk point to point, so a pipeline needs its ranks but no group of its own.
+        parallel_state.init_pipeline_model_parallel(
+            range(self.rank % tp, par.world_size, tp), self.rank
+        )
 
     def load_model(self) -> None:
         torch.manual_seed(self.config.model_config.seed)
