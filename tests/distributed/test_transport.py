@@ -1,6 +1,6 @@
 """KV transport between two real processes, for each backend: READ + notif, concurrent reads,
-notifications both ways, descriptor checks, an owner killed before or during reads, a reader
-killed while reading, and an idle transport's CPU."""
+WRITE + notif (push mode), notifications both ways, descriptor checks, an owner killed before
+or during reads or before a write, a reader killed while reading, and an idle transport's CPU."""
 
 from __future__ import annotations
 
@@ -159,6 +159,44 @@ def test_concurrent_reads_each_notif_exactly_once(pair: Pair) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_write_permuted_blocks_lands_before_the_notif(pair: Pair) -> None:
+    rng = random.Random(2)
+    pair.kv.copy_(kv_pattern(NUM_BLOCKS, BLOCK_LEN, 9).view(NUM_BLOCKS, BLOCK_LEN))
+    local_ids = rng.sample(range(NUM_BLOCKS), 48)
+    remote_ids = list(range(10, 42)) + rng.sample(range(64, NUM_BLOCKS), 16)
+    local, remote = block_descs(0, local_ids, 0, remote_ids, BLOCK_LEN)
+    handles = [
+        pair.reader.write(pair.remote, local, remote, b"pushed-1"),
+        # An empty notif: the bytes land, the owner hears nothing of this one.
+        pair.reader.write(pair.remote, local[:1], [Desc(0, 0, local[0].length)], b""),
+    ]
+    assert [wait_done(pair.reader, h) for h in handles] == [XferState.DONE] * 2
+    for h in handles:
+        pair.reader.release(h)
+    # DONE means every byte is in the owner's memory, and its notif is there.
+    assert pair.owner.call("notifs", 1, 10.0) == [(pair.reader.agent_name, b"pushed-1")]
+    sent = pair.kv.view(NUM_BLOCKS, BLOCK_LEN)
+    assert torch.equal(pair.owner.call("blocks", remote_ids), sent[local_ids])
+    untouched = [b for b in range(42, 64) if b not in remote_ids]
+    assert torch.equal(pair.owner.call("blocks", untouched), expected(untouched))
+    assert pair.owner.call("notifs", 1, 0.3) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_target_killed_before_write_gives_error(backend: str) -> None:
+    p = Pair(backend, f"kw-{backend}")
+    try:
+        p.owner.kill()
+        local, remote = block_descs(0, range(8), 0, range(8), BLOCK_LEN)
+        handle = p.reader.write(p.remote, local, remote, b"never")
+        assert wait_done(p.reader, handle, TIMEOUT_S + 5) is XferState.ERROR
+        p.reader.release(handle)
+    finally:
+        p.close()
+
+
+@pytest.mark.timeout(60)
 def test_send_notif_both_ways(pair: Pair) -> None:
     pair.reader.send_notif(pair.remote, b"ping")
     assert pair.owner.call("notifs", 1, 10.0) == [(pair.reader.agent_name, b"ping")]
@@ -184,8 +222,9 @@ def test_bad_descriptors_raise_before_sending(pair: Pair) -> None:
         ([Desc(0, -8, BLOCK_LEN)], [ok], "local range"),
     ]
     for local, remote, match in bad:
-        with pytest.raises(ValueError, match=match):
-            r.read(pair.remote, local, remote, b"bad")
+        for post in (r.read, r.write):
+            with pytest.raises(ValueError, match=match):
+                post(pair.remote, local, remote, b"bad")
     with pytest.raises(ValueError, match="unknown agent"):
         r.read("nobody", [ok], [ok], b"bad")
     with pytest.raises(ValueError, match="unknown agent"):

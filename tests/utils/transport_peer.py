@@ -39,13 +39,16 @@ def _serve(
 
     logging.basicConfig(level=logging.WARNING)
     transport = make_transport(backend, name, timeout_s=timeout_s)
-    transport.register_region(kv_pattern(num_blocks, block_len, seed))
+    region = kv_pattern(num_blocks, block_len, seed)
+    transport.register_region(region)
     conn.send((transport.get_agent_metadata(), os.getpid()))
     notifs: list[tuple[str, bytes]] = []
     while True:
         cmd, *args = conn.recv()
         if cmd == "add":
             conn.send(transport.add_remote_agent(args[0]))
+        elif cmd == "blocks":  # (block ids): their bytes now, as a WRITE left them
+            conn.send(region.view(num_blocks, block_len)[list(args[0])].clone())
         elif cmd == "notify":
             transport.send_notif(args[0], args[1])
             conn.send(None)

@@ -1,10 +1,12 @@
-"""KV transport: READ byte ranges of a peer's registered memory; its owner gets a notification."""
+"""KV transport: READ byte ranges of a peer's registered memory, or WRITE into it; its owner gets
+a notification."""
 
 from pdserve.kv_connector.transport.base import (
     BACKENDS,
     TRANSPORTS,
     Desc,
     Transport,
+    XferOp,
     XferState,
     block_descs,
     make_transport,
@@ -15,6 +17,7 @@ __all__ = [
     "TRANSPORTS",
     "Desc",
     "Transport",
+    "XferOp",
     "XferState",
     "block_descs",
     "make_transport",

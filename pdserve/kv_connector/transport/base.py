@@ -1,9 +1,12 @@
-"""The KV transport contract: register memory, exchange metadata, READ byte ranges from a peer.
+"""The KV transport contract: register memory, exchange metadata, READ byte ranges from a peer
+or WRITE them into one.
 
 A reader pulls byte ranges of a peer's registered regions into its own; when every byte has
 arrived the owner of the remote memory gets the reader's `notif`, so it knows it may free the
-blocks. Failure never raises out of a transfer: a peer that dies or stops answering turns the
-transfer into `XferState.ERROR` after `timeout_s`.
+blocks. A writer (push mode) puts byte ranges of its own regions into a peer's; the transfer is
+DONE once every byte is in the peer's memory, and the peer gets the writer's `notif` then (none
+when it is empty). Failure never raises out of a transfer: a peer that dies or stops answering
+turns the transfer into `XferState.ERROR` after `timeout_s`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ import torch
 
 from pdserve import envs
 from pdserve.registry import Registry
+
+
+class XferOp(enum.Enum):
+    READ = "READ"  # remote -> local
+    WRITE = "WRITE"  # local -> remote
 
 
 class XferState(enum.Enum):
@@ -120,12 +128,23 @@ class Transport(abc.ABC):
         """Forget a peer; its transfers in flight end in ERROR."""
 
     @abc.abstractmethod
+    def post(
+        self, op: XferOp, remote_agent: str, local: list[Desc], remote: list[Desc], notif: bytes
+    ) -> int:
+        """Start moving remote[i] <-> local[i] for every i, in `op`'s direction; returns the
+        transfer's handle. The owner of the remote memory gets `notif` once all bytes moved."""
+
     def read(self, remote_agent: str, local: list[Desc], remote: list[Desc], notif: bytes) -> int:
         """READ remote[i] into local[i] for every i; the owner gets `notif` once all arrived."""
+        return self.post(XferOp.READ, remote_agent, local, remote, notif)
+
+    def write(self, remote_agent: str, local: list[Desc], remote: list[Desc], notif: bytes) -> int:
+        """WRITE local[i] into the peer's remote[i] for every i; DONE once all landed there."""
+        return self.post(XferOp.WRITE, remote_agent, local, remote, notif)
 
     @abc.abstractmethod
     def check_state(self, handle: int) -> XferState:
-        """Non-blocking state of a transfer started by `read`."""
+        """Non-blocking state of a transfer started by `post`."""
 
     @abc.abstractmethod
     def release(self, handle: int) -> None:
@@ -149,7 +168,9 @@ def check_descs(
 ) -> None:
     """ValueError unless local[i] and remote[i] are equal-length ranges inside their regions."""
     if not local:
-        raise ValueError("read needs at least one descriptor (send_notif carries a bare message).")
+        raise ValueError(
+            "a transfer needs at least one descriptor (send_notif carries a bare message)."
+        )
     if len(local) != len(remote):
         raise ValueError(f"{len(local)} local descriptors but {len(remote)} remote ones.")
     for i, (ld, rd) in enumerate(zip(local, remote)):

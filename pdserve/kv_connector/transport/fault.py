@@ -6,11 +6,13 @@ PDSERVE_KV_FAULT_PLAN names a plan file, and says so in a warning. The plan is J
 many plans; each rule counts the calls it matches from the moment its plan was read.
 
 Points (`at`) and what each action does there:
-- `read`, when `read()` is called, before anything is posted: `delay` posts it later, `drop`
+- `read`, when a transfer (a READ, or a WRITE: a rule's `op` picks one) is posted, before
+  anything moves: `delay` posts it later, `drop`
   never posts it (PENDING for the transport's `timeout_s`, then ERROR, as a lost request looks),
   `fail` ends it ERROR at once, `disconnect` too, and the peer stays disconnected,
-  `corrupt` posts it and flips bytes of what arrived.
-- `transfer`, when a posted READ completes (the owner got its notif; the bytes are in place):
+  `corrupt` posts it and flips bytes of what arrived (READs only: a WRITE's bytes land in the
+  peer's memory, out of this wrapper's reach).
+- `transfer`, when a posted transfer completes (the owner got its notif; the bytes are in place):
   `delay` reports DONE later, `drop` PENDING for `timeout_s` then ERROR, `fail` ERROR,
   `disconnect` ERROR and the peer disconnected, `corrupt` flips bytes of what arrived.
 - `send_notif`: `delay` sends it later, `drop` never, `fail` raises, `disconnect` drops it and
@@ -38,7 +40,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from pdserve.kv_connector.transport.base import Desc, MemoryKind, Transport, XferState
+from pdserve.kv_connector.transport.base import Desc, MemoryKind, Transport, XferOp, XferState
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class Rule(msgspec.Struct, forbid_unknown_fields=True):
     contains: str = ""  # only calls whose notif or message holds these bytes (UTF-8)
     agent: str = ""  # only in transports whose agent name holds this
     peer: str = ""  # only with peers whose agent name holds this
+    op: str = ""  # only transfers of this XferOp ("READ" or "WRITE"); "": both
     seconds: float | None = None  # delay: how long; None: until <name>.release exists
     stride: int = 1  # corrupt: flip every stride-th byte
 
@@ -71,6 +74,10 @@ class Rule(msgspec.Struct, forbid_unknown_fields=True):
                 f"fault rule {self.name!r}: action at {self.at} must be one of "
                 f"{', '.join(POINTS[self.at])}, got {self.action!r}."
             )
+        if self.op not in ("", "READ", "WRITE"):
+            raise ValueError(f"fault rule {self.name!r}: op must be READ, WRITE or empty.")
+        if self.op == "WRITE" and self.action == "corrupt":
+            raise ValueError(f"fault rule {self.name!r}: corrupt applies to READs only.")
         if self.nth < 1 or self.count < 0 or self.stride < 1:
             raise ValueError(f"fault rule {self.name!r}: nth and stride >= 1, count >= 0.")
 
@@ -81,6 +88,7 @@ class Plan(msgspec.Struct, forbid_unknown_fields=True):
 
 @dataclass
 class _Xfer:
+    op: XferOp
     peer: str
     local: list[Desc]
     remote: list[Desc]
@@ -151,7 +159,7 @@ class FaultTransport(Transport):
             raise ValueError(f"PDSERVE_KV_FAULT_PLAN {self.plan_path}: {e}") from None
         self._rules = _Rules(plan, [0] * len(plan.rules), stamp)
 
-    def _match(self, at: str, peer: str, data: bytes) -> list[Rule]:
+    def _match(self, at: str, peer: str, data: bytes, op: XferOp | None = None) -> list[Rule]:
         """Rules applying to this call, in plan order; every matching rule counts it."""
         self._load()
         applied = []
@@ -162,6 +170,7 @@ class FaultTransport(Transport):
                 or rule.agent not in self.agent_name
                 or rule.peer not in peer
                 or not needle_ok[rule.contains]
+                or (rule.op and (op is None or rule.op != op.value))
             ):
                 continue
             self._rules.seen[i] += 1
@@ -222,22 +231,24 @@ class FaultTransport(Transport):
     def remove_remote_agent(self, agent_name: str) -> None:
         self.inner.remove_remote_agent(agent_name)
 
-    # ---- reads ------------------------------------------------------------------------------
+    # ---- transfers --------------------------------------------------------------------------
 
-    def read(self, remote_agent: str, local: list[Desc], remote: list[Desc], notif: bytes) -> int:
+    def post(
+        self, op: XferOp, remote_agent: str, local: list[Desc], remote: list[Desc], notif: bytes
+    ) -> int:
         with self._lock:
             self._flush_held()
-            before = self._fault(self._match("read", remote_agent, notif))
-            after = self._fault(self._match("transfer", remote_agent, notif))
+            before = self._fault(self._match("read", remote_agent, notif, op))
+            after = self._fault(self._match("transfer", remote_agent, notif, op))
             if before is not None and before.action == "corrupt":
                 before, after = None, before
-            xfer = _Xfer(remote_agent, local, remote, notif, time.monotonic(), before, after)
+            xfer = _Xfer(op, remote_agent, local, remote, notif, time.monotonic(), before, after)
             self._next_handle += 1
             self._xfers[self._next_handle] = xfer
             if remote_agent in self._disconnected:
                 xfer.state = XferState.ERROR
             elif before is None:
-                xfer.inner = self.inner.read(remote_agent, local, remote, notif)
+                xfer.inner = self.inner.post(op, remote_agent, local, remote, notif)
             elif before.action == "disconnect":
                 self._disconnected.add(remote_agent)
                 xfer.state = XferState.ERROR
@@ -266,9 +277,11 @@ class FaultTransport(Transport):
             if not self._released(xfer.before, xfer.started):
                 return XferState.PENDING
             try:
-                xfer.inner = self.inner.read(xfer.peer, xfer.local, xfer.remote, xfer.notif)
+                xfer.inner = self.inner.post(
+                    xfer.op, xfer.peer, xfer.local, xfer.remote, xfer.notif
+                )
             except Exception as e:  # the descriptors or the peer went bad while it was held
-                logger.warning("Fault plan: a held READ failed to start: %s", e)
+                logger.warning("Fault plan: a held %s failed to start: %s", xfer.op.value, e)
                 return XferState.ERROR
         if xfer.landed is None:
             state = self.inner.check_state(xfer.inner)
@@ -277,7 +290,7 @@ class FaultTransport(Transport):
             xfer.landed = now
             if xfer.peer in self._disconnected:
                 return XferState.ERROR
-            if xfer.after is not None and xfer.after.action == "corrupt":
+            if xfer.after is not None and xfer.after.action == "corrupt" and xfer.op is XferOp.READ:
                 self._corrupt(xfer.local, xfer.after.stride)
         after = xfer.after
         if after is None or after.action in ("pass", "corrupt"):

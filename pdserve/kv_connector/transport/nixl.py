@@ -1,4 +1,5 @@
-"""Transport over a NIXL agent and its UCX backend: one-sided READs, NIXL's own notifications."""
+"""Transport over a NIXL agent and its UCX backend: one-sided READs and WRITEs, NIXL's own
+notifications."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from pdserve.kv_connector.transport.base import (
     Desc,
     MemoryKind,
     Transport,
+    XferOp,
     XferState,
     check_descs,
 )
@@ -68,6 +70,7 @@ class _Peer:
 
 @dataclass
 class _Xfer:
+    op: XferOp
     remote_agent: str
     started: float
     handle: nixl_xfer_handle | None  # None when NIXL refused the transfer up front
@@ -81,7 +84,7 @@ def xfer_descs(descs: list[Desc], regions: list[Region]) -> tuple[np.ndarray, st
     kinds = {regions[d.region].kind for d in descs}
     if len(kinds) > 1:
         raise ValueError(
-            f"a READ's descriptors on one side lie in {', '.join(sorted(map(str, kinds)))} "
+            f"a transfer's descriptors on one side lie in {', '.join(sorted(map(str, kinds)))} "
             "memory; one kind per side."
         )
     (kind,) = kinds
@@ -176,7 +179,9 @@ class NixlTransport(Transport):
         except _NIXL_ERRORS as e:
             logger.warning("NIXL could not forget agent %s: %s", agent_name, e)
 
-    def read(self, remote_agent: str, local: list[Desc], remote: list[Desc], notif: bytes) -> int:
+    def post(
+        self, op: XferOp, remote_agent: str, local: list[Desc], remote: list[Desc], notif: bytes
+    ) -> int:
         peer = self._peers.get(remote_agent)
         if peer is None:
             raise ValueError(f"unknown agent {remote_agent!r}; add_remote_agent it first.")
@@ -184,11 +189,11 @@ class NixlTransport(Transport):
         local_rows, local_mem = xfer_descs(local, self._regions())
         remote_rows, remote_mem = xfer_descs(remote, peer.regions)
         self._next_handle += 1
-        xfer = _Xfer(remote_agent, time.monotonic(), None)
+        xfer = _Xfer(op, remote_agent, time.monotonic(), None)
         self._xfers[self._next_handle] = xfer
         try:
             xfer.handle = self._agent.initialize_xfer(
-                "READ",
+                op.value,
                 self._agent.get_xfer_descs(local_rows, local_mem),
                 self._agent.get_xfer_descs(remote_rows, remote_mem),
                 remote_agent,
@@ -196,7 +201,7 @@ class NixlTransport(Transport):
             )
             xfer.state = _STATES[self._agent.transfer(xfer.handle)]
         except _NIXL_ERRORS as e:
-            logger.warning("NIXL READ from %s failed to start: %s", remote_agent, e)
+            logger.warning("NIXL %s with %s failed to start: %s", op.value, remote_agent, e)
             xfer.state = XferState.ERROR
         return self._next_handle
 
@@ -207,11 +212,14 @@ class NixlTransport(Transport):
         try:
             xfer.state = _STATES[self._agent.check_xfer_state(xfer.handle)]
         except _NIXL_ERRORS as e:
-            logger.warning("NIXL READ %d from %s failed: %s", handle, xfer.remote_agent, e)
+            logger.warning(
+                "NIXL %s %d with %s failed: %s", xfer.op.value, handle, xfer.remote_agent, e
+            )
             xfer.state = XferState.ERROR
         if xfer.state is XferState.PENDING and time.monotonic() - xfer.started > self.timeout_s:
             logger.warning(
-                "NIXL READ %d from %s timed out after %.1f s",
+                "NIXL %s %d with %s timed out after %.1f s",
+                xfer.op.value,
                 handle,
                 xfer.remote_agent,
                 self.timeout_s,
@@ -227,7 +235,7 @@ class NixlTransport(Transport):
             self._agent.release_xfer_handle(xfer.handle)
         except _NIXL_ERRORS as e:
             # nixl_xfer_handle.__del__ retries; the agent frees what is left when it goes.
-            logger.warning("NIXL could not release READ %d: %s", handle, e)
+            logger.warning("NIXL could not release %s %d: %s", xfer.op.value, handle, e)
 
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         if remote_agent not in self._peers:

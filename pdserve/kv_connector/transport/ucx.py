@@ -1,15 +1,18 @@
-"""Transport over UCX tag messages (ucxx): the owner of the memory answers READ requests.
+"""Transport over UCX tag messages (ucxx): the owner of the memory answers READ and WRITE
+requests.
 
-ucxx has no one-sided get, so a read is a conversation (see docs/transport.md): the reader
-posts one receive per descriptor straight into its registered memory, then sends a
-ReadRequest; the owner's service thread sends each requested range straight from its registered
-memory and, once every send has completed, records the reader's notif for its own
-get_new_notifs(). All UCX work happens on the service thread (ucx_service.py).
+ucxx has no one-sided get or put, so a transfer is a conversation (see docs/transport.md).
+READ: the reader posts one receive per descriptor straight into its registered memory, then
+sends a ReadRequest; the owner's service thread sends each requested range straight from its
+registered memory and, once every send has completed, records the reader's notif for its own
+get_new_notifs(). WRITE: the writer sends a WriteRequest; the target posts the receives into its
+memory and answers WriteReady with an id for their tags; the writer sends the ranges; once all
+arrived the target records the notif and answers WriteDone, which makes the write DONE. All UCX
+work happens on the service thread (ucx_service.py).
 """
 
 from __future__ import annotations
 
-import itertools
 from functools import partial
 
 import torch
@@ -19,10 +22,11 @@ from pdserve.kv_connector.transport.base import (
     Desc,
     MemoryKind,
     Transport,
+    XferOp,
     XferState,
     check_descs,
 )
-from pdserve.kv_connector.transport.ucx_service import Peer, Read, Service, Shared
+from pdserve.kv_connector.transport.ucx_service import Peer, Service, Shared, Xfer
 
 DEFAULT_UCX_CONFIG = {
     # Shared memory only, and no CMA: with error handling off (which the shared-memory
@@ -63,7 +67,6 @@ class UcxTransport(Transport):
         elif torch.cuda.is_available():
             self.no_device_reason = None
         self._service = Service(agent_name, self._shared, config, timeout_s)
-        self._ids = itertools.count(1)
 
     def read_obstacle(self, remote: MemoryKind) -> None:
         # The owner sends from its own memory, which it registered: a reader touches only its
@@ -101,26 +104,28 @@ class UcxTransport(Transport):
         if peer is not None:
             self._service.submit(lambda: self._service.fail_peer(peer, "removed"))
 
-    def read(self, remote_agent: str, local: list[Desc], remote: list[Desc], notif: bytes) -> int:
+    def post(
+        self, op: XferOp, remote_agent: str, local: list[Desc], remote: list[Desc], notif: bytes
+    ) -> int:
         peer = self._peer(remote_agent)
         check_descs(local, remote, self._region_sizes(), peer.metadata.region_sizes)
         wire.check_count(len(local))
-        handle = next(self._ids)
-        rd = self._shared.reads[handle] = Read(peer)
-        start = partial(self._service.start_read, handle, rd, local, remote, notif)
-        if not self._service.submit(start):
-            rd.state = XferState.ERROR
+        handle = next(self._shared.ids)
+        xfer = self._shared.xfers[handle] = Xfer(peer)
+        starter = self._service.start_read if op is XferOp.READ else self._service.start_write
+        if not self._service.submit(partial(starter, handle, xfer, local, remote, notif)):
+            xfer.state = XferState.ERROR
         return handle
 
     def check_state(self, handle: int) -> XferState:
-        rd = self._shared.reads.get(handle)
-        if rd is None:
+        xfer = self._shared.xfers.get(handle)
+        if xfer is None:
             raise ValueError(f"unknown transfer handle {handle}.")
-        return rd.state
+        return xfer.state
 
     def release(self, handle: int) -> None:
-        # A pending read stays tracked by the service thread until its requests finish.
-        self._shared.reads.pop(handle, None)
+        # A pending transfer stays tracked by the service thread until its requests finish.
+        self._shared.xfers.pop(handle, None)
 
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         peer = self._peer(remote_agent)

@@ -1,8 +1,9 @@
 """What crosses between two UCX transports: agent metadata, control messages and tag layout.
 
 Control messages travel on CTRL_TAG and are decoded with `decode_message`. Data travels on
-`data_tag(handle, index)`: the reader's handle ids are unique on its worker, so the bytes of
-concurrent reads, from any number of owners, never match another read's receive.
+`data_tag(id, index)`, where `id` is one the receiving side drew for the transfer (a reader's
+handle; for a WRITE, the id the target answers with): ids are unique on the receiving worker, so
+the bytes of concurrent transfers, from any number of peers, never match another's receive.
 """
 
 from __future__ import annotations
@@ -47,12 +48,36 @@ class ReadRequest(msgspec.Struct, tag=True, array_like=True, frozen=True):
     notif: bytes
 
 
+class WriteRequest(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """A writer's offer: post receives for `descs` (the target's memory), answer WriteReady;
+    record `notif` (when not empty) and answer WriteDone once all arrived."""
+
+    sender: str
+    handle: int  # the writer's
+    descs: list[Desc]
+    notif: bytes
+
+
+class WriteReady(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """The target's receives are posted: send descriptor i on data_tag(recv_id, i); recv_id 0:
+    refused (the descriptors were bad), the write fails."""
+
+    handle: int
+    recv_id: int
+
+
+class WriteDone(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """Every byte of the writer's `handle` is in the target's memory."""
+
+    handle: int
+
+
 class Notif(msgspec.Struct, tag=True, array_like=True, frozen=True):
     sender: str
     msg: bytes
 
 
-Message = Hello | ReadRequest | Notif
+Message = Hello | ReadRequest | WriteRequest | WriteReady | WriteDone | Notif
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -1,4 +1,5 @@
-"""The UCX transport's service thread: every UCX call of one transport, and the READ protocol.
+"""The UCX transport's service thread: every UCX call of one transport, and the READ and WRITE
+protocols.
 
 It sleeps in epoll on the worker's event fd and on an eventfd `submit` writes to: an idle
 transport uses no CPU. With UCX error handling off nothing reports a dead peer, so a request
@@ -8,6 +9,7 @@ batch (a read, an answer, a control message) stuck for `timeout_s` marks its pee
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import select
@@ -47,9 +49,18 @@ class Peer:
 
 
 @dataclass
-class Read:
+class Xfer:
     peer: Peer
     state: XferState = XferState.PENDING
+
+
+@dataclass
+class _Write:
+    """A WRITE waiting for its target's WriteReady, then its WriteDone."""
+
+    xfer: Xfer
+    local: list[Desc]
+    last_progress: float
 
 
 @dataclass
@@ -59,7 +70,10 @@ class Shared:
     # uint8 views of the regions: numpy arrays of host memory, tensors of CUDA memory.
     views: list[np.ndarray | torch.Tensor] = field(default_factory=list)
     peers: dict[str, Peer] = field(default_factory=dict)
-    reads: dict[int, Read] = field(default_factory=dict)
+    xfers: dict[int, Xfer] = field(default_factory=dict)
+    # Ids that data tags carry, unique on this worker: read handles, write handles (which the
+    # writer's WriteRequest names) and the receive ids of WRITEs into this agent.
+    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     notifs: list[tuple[str, bytes]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -115,6 +129,7 @@ class Service:
         self._epoll.register(self._wake, select.EPOLLIN)
         self._commands: deque[Callable[[], None]] = deque()
         self._batches: list[_Batch] = []
+        self._writes: dict[int, _Write] = {}
         self._inbox: deque[tuple[ucx_api.UCXRequest, np.ndarray]] = deque()
         self._closed_eps: list[ucx_api.UCXEndpoint] = []  # freeing one may wait on its peer
         self._stopping = False
@@ -156,7 +171,7 @@ class Service:
                     continue  # more work already waiting: no sleep
                 # Idle, sleep until woken; with requests in flight, wake every 10 ms as well, so
                 # timeouts are checked and a missed UCX event costs milliseconds, not timeout_s.
-                wait = 0.01 if self._batches else None
+                wait = 0.01 if self._batches or self._writes else None
                 if self._epoll.poll(wait):
                     try:
                         os.eventfd_read(self._wake)
@@ -166,9 +181,9 @@ class Service:
             # No silent death: every waiter learns its transfer failed.
             logger.exception("UCX service thread of %s died", self.name)
         finally:
-            for rd in list(self.shared.reads.values()):
-                if rd.state is XferState.PENDING:
-                    rd.state = XferState.ERROR
+            for xfer in list(self.shared.xfers.values()):
+                if xfer.state is XferState.PENDING:
+                    xfer.state = XferState.ERROR
             for peer in list(self.shared.peers.values()):
                 self._close(peer)
             self._batches.clear()
@@ -198,7 +213,7 @@ class Service:
             self.send_ctrl(peer, hello)
 
     def start_read(
-        self, handle: int, rd: Read, local: list[Desc], remote: list[Desc], notif: bytes
+        self, handle: int, rd: Xfer, local: list[Desc], remote: list[Desc], notif: bytes
     ) -> None:
         peer = rd.peer
         if peer.failed or peer.ep is None:
@@ -216,6 +231,17 @@ class Service:
         finish = functools.partial(setattr, rd, "state", XferState.DONE)
         self._batches.append(_Batch(peer, reqs, request, time.monotonic(), finish))
 
+    def start_write(
+        self, handle: int, xfer: Xfer, local: list[Desc], remote: list[Desc], notif: bytes
+    ) -> None:
+        """Offer the target the write; the data follows its WriteReady."""
+        peer = xfer.peer
+        if peer.failed or peer.ep is None:
+            xfer.state = XferState.ERROR
+            return
+        self._writes[handle] = _Write(xfer, local, time.monotonic())
+        self.send_ctrl(peer, wire.encode(wire.WriteRequest(self.name, handle, remote, notif)))
+
     def send_ctrl(self, peer: Peer, msg: bytes) -> None:
         if peer.failed or peer.ep is None:
             logger.warning("message to unreachable agent %s dropped", peer.metadata.name)
@@ -229,9 +255,11 @@ class Service:
             return
         logger.warning("agent %s failed (%s)", peer.metadata.name, why)
         peer.failed = True
-        for rd in list(self.shared.reads.values()):
-            if rd.peer is peer and rd.state is XferState.PENDING:
-                rd.state = XferState.ERROR
+        for xfer in list(self.shared.xfers.values()):
+            if xfer.peer is peer and xfer.state is XferState.PENDING:
+                xfer.state = XferState.ERROR
+        for handle in [h for h, w in self._writes.items() if w.xfer.peer is peer]:
+            del self._writes[handle]
         self._close(peer)
 
     # -- internals (service thread) -----------------------------------------------------
@@ -252,6 +280,57 @@ class Service:
         notify = functools.partial(self.shared.notify, req.sender, req.notif)
         self._batches.append(_Batch(peer, reqs, None, time.monotonic(), notify))
 
+    def _accept_write(self, req: wire.WriteRequest) -> None:
+        """Post the receives of a peer's WRITE into this agent's memory, then say so."""
+        peer = self.shared.peers.get(req.sender)
+        if peer is None or peer.ep is None or peer.failed:
+            logger.warning("WRITE request from unknown or failed agent %r dropped", req.sender)
+            return
+        sizes = [v.nbytes for v in self.shared.views]
+        recv_id = next(self.shared.ids)
+        try:
+            check_descs(req.descs, req.descs, sizes, sizes)
+            wire.check_count(len(req.descs))
+            reqs = self._post(peer.ep.tag_recv, req.descs, recv_id)
+        except (ValueError, AssertionError, ucx_api.UCXError) as e:
+            logger.warning("WRITE request %d from %s refused: %s", req.handle, req.sender, e)
+            self.send_ctrl(peer, wire.encode(wire.WriteReady(req.handle, 0)))
+            return
+
+        def landed() -> None:
+            if req.notif:
+                self.shared.notify(req.sender, req.notif)
+            self.send_ctrl(peer, wire.encode(wire.WriteDone(req.handle)))
+
+        self._batches.append(_Batch(peer, reqs, None, time.monotonic(), landed))
+        self.send_ctrl(peer, wire.encode(wire.WriteReady(req.handle, recv_id)))
+
+    def _send_write(self, ready: wire.WriteReady) -> None:
+        write = self._writes.get(ready.handle)
+        if write is None:  # its peer failed meanwhile: nothing is sent
+            return
+        peer = write.xfer.peer
+        if ready.recv_id == 0 or peer.ep is None:
+            del self._writes[ready.handle]
+            write.xfer.state = XferState.ERROR
+            return
+        try:
+            reqs = self._post(peer.ep.tag_send, write.local, ready.recv_id)
+        except ucx_api.UCXError as e:
+            logger.warning(
+                "WRITE %d to %s failed to start: %s", ready.handle, peer.metadata.name, e
+            )
+            del self._writes[ready.handle]
+            write.xfer.state = XferState.ERROR
+            return
+        write.last_progress = time.monotonic()
+        self._batches.append(_Batch(peer, reqs, None, write.last_progress))
+
+    def _write_done(self, done: wire.WriteDone) -> None:
+        write = self._writes.pop(done.handle, None)
+        if write is not None and write.xfer.state is XferState.PENDING:
+            write.xfer.state = XferState.DONE
+
     def _receive(self) -> None:
         """Take control messages off the wire in arrival order, and handle the complete ones."""
         while (probe := self._worker.tag_probe(_CTRL, remove=True)).matched:
@@ -269,6 +348,12 @@ class Service:
                 continue
             if isinstance(msg, wire.ReadRequest):
                 self._answer(msg)
+            elif isinstance(msg, wire.WriteRequest):
+                self._accept_write(msg)
+            elif isinstance(msg, wire.WriteReady):
+                self._send_write(msg)
+            elif isinstance(msg, wire.WriteDone):
+                self._write_done(msg)
             elif isinstance(msg, wire.Notif):
                 self.shared.notify(msg.sender, msg.msg)
             elif hello is not None and (adopted := self.shared.adopt(hello)) is not None:
@@ -288,6 +373,10 @@ class Service:
             else:
                 self.fail_peer(batch.peer, "requests failed or timed out")
         self._batches = [b for b in pending if not b.peer.failed]
+        for write in list(self._writes.values()):
+            # A target that never answers (its sends are batches, timed above) fails as a peer.
+            if now - write.last_progress > self.timeout_s:
+                self.fail_peer(write.xfer.peer, "a WRITE got no answer")
 
     def _close(self, peer: Peer) -> None:
         # close() cancels the receives no bytes matched yet; it does not wait for the peer.
