@@ -15,7 +15,10 @@ if TYPE_CHECKING:
 CONNECTORS: Registry[KVConnectorHalves] = Registry(
     "KV connector",
     "kv_transfer_config.kv_connector",
-    {"NixlConnector": "pdserve.kv_connector.nixl.connector:NIXL_CONNECTOR"},
+    {
+        "NixlConnector": "pdserve.kv_connector.nixl.connector:NIXL_CONNECTOR",
+        "NixlPushConnector": "pdserve.kv_connector.nixl.connector:NIXL_PUSH_CONNECTOR",
+    },
 )
 
 

@@ -51,6 +51,9 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True):
     # First-token shipping (first_token.py): the token the prefill instance sampled.
     first_token_id: NonNegative | None = None
     first_token_logprobs: FirstTokenLogprobs | None = None
+    # Push mode, asked of a prefill instance: the id the decode side's registrations name this
+    # request by (the decode request's remote_request_id). None: the request's own id.
+    transfer_id: str | None = None
 
     @classmethod
     def from_json(cls, value: Any) -> KVTransferParams:
@@ -68,13 +71,16 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True):
     def to_json(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
 
-    def missing_remote_fields(self) -> list[str]:
-        """The fields a read needs that are unset."""
-        return [name for name in _REMOTE_FIELDS if getattr(self, name) is None]
+    def missing_remote_fields(self, push: bool = False) -> list[str]:
+        """The fields a read (push: a registration, which names no blocks) needs that are
+        unset."""
+        names = _REMOTE_FIELDS[1:] if push else _REMOTE_FIELDS
+        return [name for name in names if getattr(self, name) is None]
 
-    def reads_remote(self) -> bool:
-        """A decode request whose prompt's KV can be read: every field a read needs is set."""
-        return self.do_remote_prefill and not self.missing_remote_fields()
+    def reads_remote(self, push: bool = False) -> bool:
+        """A decode request whose prompt's KV can be read (push: registered for): every field
+        that needs is set."""
+        return self.do_remote_prefill and not self.missing_remote_fields(push)
 
     @property
     def remote_tp_size(self) -> int:
@@ -84,7 +90,7 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True):
 # X-PD-Path's reason when a decode instance recomputed a prompt whose KV load failed.
 KV_LOAD_FAILED = "kv-load-failed"
 
-_REMOTE_FIELDS = (
+_REMOTE_FIELDS = (  # remote_block_ids first: a push names no blocks
     "remote_block_ids",
     "remote_engine_id",
     "remote_request_id",

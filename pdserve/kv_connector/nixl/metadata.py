@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
 # Bumped whenever a message below or the KV layout changes meaning.
-NIXL_CONNECTOR_VERSION = 3
+NIXL_CONNECTOR_VERSION = 4
 KV_LAYOUT = "block-major:[blocks,layers,2,block_size,kv_heads,head_dim]"
 
 
@@ -61,6 +61,16 @@ class SaveReqMeta(msgspec.Struct, array_like=True):
     staging_block_ids: list[int]
 
 
+class PushReqMeta(msgspec.Struct, array_like=True):
+    """Push mode, prefill side: a request this step computes prompt tokens of. Once the step's
+    forward pass ran, its first `num_final_tokens` tokens' KV is final in `block_ids`."""
+
+    transfer_id: str  # what the decode side's registrations name it by
+    block_ids: list[int]
+    num_prompt_tokens: int
+    num_final_tokens: int
+
+
 class NixlConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
     reqs_to_recv: dict[str, RecvReqMeta] = msgspec.field(default_factory=dict)
     # Prefill side: finished requests whose blocks wait for a reader, with their lease expiry
@@ -74,6 +84,15 @@ class NixlConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True)
     remote_engines: dict[str, RemoteAddress] = msgspec.field(default_factory=dict)
     # Prefill side: lease board entries to write before this step's forward pass, by request.
     lease_stamps: dict[str, LeaseStamp] = msgspec.field(default_factory=dict)
+    # Push mode, prefill side: the requests whose blocks fill this step, and the transfer ids
+    # of requests aborted here (their pushes fail).
+    reqs_to_push: dict[str, PushReqMeta] = msgspec.field(default_factory=dict)
+    push_aborts: list[str] = msgspec.field(default_factory=list)
+    # Push mode, decode side: requests aborted while a push into their blocks is awaited (the
+    # prefill side stops writing), and registrations that ask for nothing, for requests that
+    # compute their prompt's short rest here.
+    push_cancels: list[str] = msgspec.field(default_factory=list)
+    push_declines: dict[str, RecvReqMeta] = msgspec.field(default_factory=dict)
 
 
 class AgentMetadata(msgspec.Struct, array_like=True):
@@ -114,14 +133,49 @@ class HandshakeRequest(msgspec.Struct, array_like=True):
     tp_rank: int
 
 
-class Notif(msgspec.Struct, array_like=True):
+class Notif(msgspec.Struct, tag="notif", array_like=True):
     """Decode -> prefill over the transport: `done` after a READ (or instead of one), `heartbeat`
-    while a request waits for its turn to read."""
+    while a request waits for its turn to read (push mode: for its push)."""
 
     kind: str  # "done" | "heartbeat"
     request_ids: list[str]
     # Readers the prefill side must hear from before it frees (decode TP > prefill TP).
     num_readers: int = 1
+
+
+class PushRegistration(msgspec.Struct, tag="register", array_like=True):
+    """Push mode, a decode rank -> a prefill rank: WRITE the prompt's KV of `transfer_id` into
+    these blocks of this rank's region `region` (`block_len` bytes each), which take the
+    prompt's last len(block_ids) blocks; then answer `Pushed`. No blocks: nothing to write (a
+    full local hit, an abort before admission). `cancel`: stop writing (an abort here)."""
+
+    transfer_id: str
+    request_id: str  # the decode side's, which Pushed names
+    agent_metadata: bytes  # this rank's transport metadata: the writer learns it
+    region: int
+    block_ids: list[int]
+    block_len: int
+    num_registrants: int  # the decode ranks that register with this prefill rank
+    cancel: bool = False
+
+
+class Pushed(msgspec.Struct, tag="pushed", array_like=True):
+    """Push mode, prefill rank -> decode rank: every WRITE of the request's registration ended
+    (and landed, when `ok`); `reason` says why not, for the request's client."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+
+
+class PushAlive(msgspec.Struct, tag="alive", array_like=True):
+    """Push mode, prefill rank -> decode rank: these requests' registrations are held here and
+    their pushes will come (the decode side's watchdog waits on)."""
+
+    request_ids: list[str]
+
+
+PeerMessage = Notif | PushRegistration | Pushed | PushAlive
 
 
 def compatibility_factors(

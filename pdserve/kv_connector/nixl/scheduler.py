@@ -1,4 +1,9 @@
-"""The NixlConnector's scheduler role: which requests read, which hold blocks, for how long."""
+"""The NixlConnector's scheduler role: which requests read, which hold blocks, for how long.
+
+Push mode (NixlPushConnector, docs/push.md) keeps the roles: a decode request still waits for
+its blocks beyond the local hit, which its workers register with the prefill instance instead
+of reading; a prefill request still holds its blocks under a lease, which ends once every
+registrant was written, and its workers learn each step which of its blocks are final."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from pdserve.kv_connector.nixl.metadata import (
     HandshakePayload,
     LeaseStamp,
     NixlConnectorMetadata,
+    PushReqMeta,
     RecvReqMeta,
     RemoteAddress,
 )
@@ -33,6 +39,9 @@ logger = logging.getLogger(__name__)
 # Only a request that ran out of tokens (the proxy's max_tokens=1 hop) has a decode leg to come:
 # one the first token stopped (EOS, a stop token) is complete, and its blocks free at once.
 _DONE = (RequestStatus.FINISHED_LENGTH_CAPPED,)
+# In push mode the decode leg is there already, and samples its own first token: a stop here
+# is no reason not to push.
+_PUSH_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
 def _recv_meta(params: KVTransferParams, local_block_ids: list[int]) -> RecvReqMeta:
@@ -107,9 +116,10 @@ class LeaseBoard:
 
 
 class NixlConnectorScheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, push: bool = False) -> None:
         kv = config.kv_transfer_config
         assert kv is not None
+        self.push = push
         self.engine_id = kv.engine_id
         self.lease_duration = kv.kv_lease_duration
         self.tp_size = config.parallel_config.tensor_parallel_size
@@ -141,11 +151,25 @@ class NixlConnectorScheduler:
         # stray id in finished_sending must not end the polling while others still wait.
         self._sending: set[str] = set()
         self.stats: dict[str, float] = {}
+        # Push mode. Prefill side: requests whose blocks fill for a push (request, its block
+        # list, which the KV cache manager extends in place), and transfer ids of requests
+        # aborted since the last step. Decode side: requests aborted while their push is
+        # awaited, and registrations that ask for nothing.
+        self._pushing: dict[str, tuple[Request, list[KVCacheBlock]]] = {}
+        self._push_aborts: list[str] = []
+        self._push_cancels: list[str] = []
+        self._push_declines: dict[str, RecvReqMeta] = {}
         self.recompute_failed_loads = kv.kv_load_failure_policy == "recompute"
         self._encoder = msgspec.msgpack.Encoder()
         # Host staging: the pool of the workers' staging buffer blocks (sized here when the
         # config says, else from the workers' handshake metadata).
         self.host_staging = kv.uses_host_staging(config.device)
+        if push and self.host_staging:
+            raise ValueError(
+                "kv_transfer_config.kv_connector NixlPushConnector does not support host staging "
+                "yet (kv_buffer_device 'cpu' with a CUDA KV cache, or host_staging): its writes "
+                "go from cache to cache; use NixlConnector, or kv_buffer_device 'cuda'."
+            )
         self.staging: StagingPool | None = None
         if self.host_staging and kv.host_buffer_blocks is not None:
             self._make_staging_pool(kv.host_buffer_blocks)
@@ -172,7 +196,7 @@ class NixlConnectorScheduler:
         """Decode side: a request that reads remote KV heart-beats from its arrival, so that a
         prefill instance keeps its blocks however long it queues here."""
         params = request.kv_transfer_params
-        if params is not None and params.reads_remote():
+        if params is not None and params.reads_remote(self.push):
             self._await(request.request_id, _recv_meta(params, []), params.remote_lease)
 
     def _await(self, req_id: str, read: RecvReqMeta, lease: RemoteLease | None) -> None:
@@ -190,8 +214,12 @@ class NixlConnectorScheduler:
         params = request.kv_transfer_params
         # Without every remote field no read can start (update_state_after_alloc warns): the
         # request prefills here rather than wait for KV that never comes.
-        if params is not None and params.reads_remote():
+        if params is not None and params.reads_remote(self.push):
             count = request.num_prompt_tokens - num_computed_tokens
+            if self.push and count <= self.block_size:
+                # The local hit holds all but at most a block: computing that here is quicker
+                # than waiting for the prefill instance (it is told nothing is needed).
+                return 0, False
             if count > 0:
                 # The blocks beyond the local hit land in staging first: wait for room.
                 staging = self.staging
@@ -202,7 +230,7 @@ class NixlConnectorScheduler:
                 ):
                     return None, False
                 return count, True
-        elif params is not None and params.do_remote_decode:
+        elif params is not None and params.do_remote_decode and not self.push:
             if request.request_id not in self.board.held and not self.board.has_room():
                 return None, False
             if self._stages_save(request):
@@ -235,11 +263,13 @@ class NixlConnectorScheduler:
             self.staging.reserve_save(request)
         if params is None:
             return
-        if params.do_remote_decode and request.request_id not in self.board.held:
+        if params.do_remote_decode and self.push:
+            self._pushing[request.request_id] = (request, blocks)
+        elif params.do_remote_decode and request.request_id not in self.board.held:
             self.board.take(request.request_id)
         if not params.do_remote_prefill:
             return
-        if missing := params.missing_remote_fields():
+        if missing := params.missing_remote_fields(self.push):
             logger.warning(
                 "Request %s: kv_transfer_params lack %s; it prefills locally.",
                 request.request_id,
@@ -251,6 +281,12 @@ class NixlConnectorScheduler:
             local = (
                 [b.block_id for b in blocks if b.block_hash is None] if num_external_tokens else []
             )
+            if self.push and not local:
+                # Computed here: the prefill instance hears that nothing is needed; this request
+                # waits for no answer.
+                self._push_declines[request.request_id] = _recv_meta(params, [])
+                params.do_remote_prefill = False
+                return
             staging_ids = []
             if local and self._stages_read(params):
                 assert self.staging is not None
@@ -275,6 +311,8 @@ class NixlConnectorScheduler:
         if self.staging is not None:
             meta.reqs_to_save = self.staging.save_orders(scheduler_output)
         meta.lease_stamps = self.board.take_orders()
+        if self.push:
+            self._push_orders(meta, scheduler_output)
         now = time.monotonic()
         for engine_id, remote_id in self._awaited.values():
             if engine_id in meta.heartbeats or (
@@ -287,10 +325,29 @@ class NixlConnectorScheduler:
         self._reqs_need_recv, self._reqs_need_send = {}, {}
         return meta
 
+    def _push_orders(self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
+        """The step's push orders: the blocks each pushing request's step makes final (the
+        request's numbers are still those from before the step), aborts, cancels, declines."""
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            if req_id not in self._pushing:
+                continue
+            request, blocks = self._pushing[req_id]
+            params = request.kv_transfer_params
+            assert params is not None
+            meta.reqs_to_push[req_id] = PushReqMeta(
+                params.transfer_id or req_id,
+                [b.block_id for b in blocks],
+                request.num_prompt_tokens,
+                min(request.num_computed_tokens + num_tokens, request.num_prompt_tokens),
+            )
+        meta.push_aborts, self._push_aborts = self._push_aborts, []
+        meta.push_cancels, self._push_cancels = self._push_cancels, []
+        meta.push_declines, self._push_declines = self._push_declines, {}
+
     def release_remote(self, request_id: str, params: KVTransferParams) -> bool:
         """Tell the prefill side to free a request's blocks now, with an empty read: this
         instance will never read them (aborted before admission, or rejected by the server)."""
-        if not params.missing_remote_fields():
+        if not params.missing_remote_fields(self.push):
             self._reqs_need_recv[request_id] = _recv_meta(params, [])
             self._reading.add(request_id)
         params.do_remote_prefill = False
@@ -304,7 +361,11 @@ class NixlConnectorScheduler:
         req_id = request.request_id
         if req_id not in self._reading:
             self._awaited.pop(req_id, None)
+        elif self.push:
+            self._push_cancels.append(req_id)  # the prefill side stops writing into its blocks
         params = request.kv_transfer_params
+        if self.push and params is not None and params.do_remote_decode:
+            return self._push_finished(request, block_ids, params)
         staging_ids = None
         if self.staging is not None and self.staging.holds_save(req_id):
             staging_ids = self.staging.end_save(request, request.status in _DONE)
@@ -348,6 +409,29 @@ class NixlConnectorScheduler:
             first_token_id=request.all_token_ids[request.num_prompt_tokens]
             if request.num_tokens > request.num_prompt_tokens
             else None,
+        )
+
+    def _push_finished(
+        self, request: Request, block_ids: list[int], params: KVTransferParams
+    ) -> tuple[bool, KVTransferParams | None]:
+        """A pushing prefill request finished: its blocks stay held until every registrant was
+        written (or its lease expired unregistered). Aborted, it frees at once: a write still
+        reading its blocks only feeds a registration that ends failed."""
+        req_id = request.request_id
+        self._pushing.pop(req_id, None)
+        transfer_id = params.transfer_id or req_id
+        if request.status not in _PUSH_DONE:
+            self._push_aborts.append(transfer_id)
+            return False, None
+        if not block_ids:
+            return False, None
+        self._reqs_need_send[req_id] = time.time() + self.lease_duration
+        self._sending.add(req_id)
+        return True, KVTransferParams(
+            transfer_id=transfer_id,
+            remote_engine_id=self.engine_id,
+            remote_num_tokens=request.num_computed_tokens,
+            remote_cached_tokens=max(request.num_cached_tokens, 0),
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

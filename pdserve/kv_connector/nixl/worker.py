@@ -10,6 +10,9 @@ request (its blocks reported invalid) and is counted.
 With host staging the transport registers a host buffer instead of the cache: the prefill side
 copies a request's blocks into it after the forward pass that completes its prompt, the decode
 side READs into it and copies into the cache before it reports the load done (staging.py).
+
+In push mode (NixlPushConnector) the decode side registers its blocks instead of reading them,
+and the prefill side writes them (push.py); handshakes, leases and heartbeats are the same.
 """
 
 from __future__ import annotations
@@ -31,12 +34,17 @@ from pdserve.kv_connector.nixl.metadata import (
     HandshakePayload,
     NixlConnectorMetadata,
     Notif,
+    PeerMessage,
+    PushAlive,
+    Pushed,
+    PushRegistration,
     RecvReqMeta,
     RemoteAddress,
     SaveReqMeta,
     compatibility_factors,
     compatibility_hash,
 )
+from pdserve.kv_connector.nixl.push import PushReceiver, PushSender
 from pdserve.kv_connector.nixl.staging import HostBuffer
 from pdserve.kv_connector.nixl.topology import RemoteEngine, Topology
 from pdserve.kv_connector.transport.base import (
@@ -85,9 +93,10 @@ class _Load:
 
 
 class NixlConnectorWorker:
-    def __init__(self, config: EngineConfig, tp_rank: int) -> None:
+    def __init__(self, config: EngineConfig, tp_rank: int, push: bool = False) -> None:
         kv = config.kv_transfer_config
         assert kv is not None
+        self.push = push
         self.engine_id = kv.engine_id
         self.tp_rank = tp_rank
         self.tp_size = config.parallel_config.tensor_parallel_size
@@ -136,6 +145,12 @@ class NixlConnectorWorker:
         # handshook again because their prefill instance's epoch had changed.
         self._prepared: dict[str, float] = {}
         self._rehandshaked: set[str] = set()
+        # Push mode: the two sides' state (set once the cache is registered), and the requests
+        # of `_waiting` whose registrations decline (they ask for nothing and report nothing).
+        self.sender: PushSender | None = None
+        self.receiver: PushReceiver | None = None
+        self._declined: set[str] = set()
+        self._peer_decoder = msgspec.msgpack.Decoder(PeerMessage)
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -157,6 +172,9 @@ class NixlConnectorWorker:
         self.topology = Topology(
             kv_cache, self.tp_rank, self.tp_size, self.transport, region.device
         )
+        if self.push:
+            self.sender = PushSender(self.transport, kv_cache, self.leases, self.lease_duration)
+            self.receiver = PushReceiver(self.transport, self.topology, self.lease_duration)
 
     def get_handshake_metadata(self) -> bytes:
         assert self.region is not None and self.compat_hash is not None
@@ -210,6 +228,14 @@ class NixlConnectorWorker:
         self.leases.stamp(meta.lease_stamps)
         self.leases.hold(meta.reqs_to_send)
         self._waiting.update(meta.reqs_to_recv)
+        if self.sender is not None and self.receiver is not None:
+            self.sender.update(meta.reqs_to_push, meta.push_aborts)
+            self.receiver.cancel(meta.push_cancels)
+            for req_id in meta.push_cancels:
+                if req_id in self._waiting:  # not registered yet: register for nothing
+                    self._waiting[req_id].local_block_ids = []
+            self._waiting.update(meta.push_declines)
+            self._declined.update(meta.push_declines)
         for engine_id, remote_ids in meta.heartbeats.items():
             engine = self._engines.get(engine_id)
             if engine is not None:
@@ -287,7 +313,12 @@ class NixlConnectorWorker:
             del self._waiting[req_id]
             self._rehandshaked.discard(req_id)
             try:
-                self._read(req_id, meta, engine)
+                if self.receiver is not None:
+                    declined = req_id in self._declined
+                    self._declined.discard(req_id)
+                    self.receiver.register(req_id, meta, engine, report=not declined)
+                else:
+                    self._read(req_id, meta, engine)
             except Exception as e:  # a bad descriptor, a vanished agent: this request only
                 logger.error("KV load of request %s failed to start: %s", req_id, e)
                 self._fail(
@@ -403,12 +434,29 @@ class NixlConnectorWorker:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         self._finish_handshakes()
         self._poll_notifications()
+        if self.sender is not None:
+            self.sender.step()
         done_sending, num_expired = self.leases.take_ended()
         if num_expired:
             self._count("expired_leases", num_expired)
         self._poll_loads()
+        if self.sender is not None and self.receiver is not None:
+            self.sender.forget(done_sending)
+            self._poll_pushes(self.receiver)
         done_recving, self._done_recving = self._done_recving, set()
         return done_sending or None, done_recving or None
+
+    def _poll_pushes(self, receiver: PushReceiver) -> None:
+        receiver.check_watchdogs()
+        self._done_recving |= receiver.done
+        receiver.done = set()
+        for req_id, (block_ids, why) in receiver.failed.items():
+            self._fail(req_id, block_ids, "failed_transfers", why)
+        receiver.failed = {}
+        for part in (receiver.stats, self.sender.stats if self.sender else {}):
+            for name, value in part.items():
+                self._count(name, value)
+            part.clear()
 
     def _finish_handshakes(self) -> None:
         for engine_id, future in list(self._handshakes.items()):
@@ -430,12 +478,26 @@ class NixlConnectorWorker:
     def _poll_notifications(self) -> None:
         for sender, msg in self.transport.get_new_notifs():
             try:
-                notif = msgspec.msgpack.decode(msg, type=Notif)
+                notif = self._peer_decoder.decode(msg)
             except msgspec.DecodeError:
                 logger.warning("Dropped an undecodable notification from %s", sender)
                 self._count("failed_notifications")
                 continue
-            self.leases.notify(notif)
+            if isinstance(notif, Notif):
+                if self.sender is not None and notif.kind == "heartbeat":
+                    notif = self.sender.heartbeat(notif)
+                self.leases.notify(notif)
+            elif self.sender is None or self.receiver is None:
+                logger.warning(
+                    "Dropped a push message from %s: this is not a push instance", sender
+                )
+                self._count("failed_notifications")
+            elif isinstance(notif, PushRegistration):
+                self.sender.register(sender, notif)
+            elif isinstance(notif, Pushed):
+                self.receiver.pushed(sender, notif)
+            elif isinstance(notif, PushAlive):
+                self.receiver.alive(notif)
 
     def _poll_loads(self) -> None:
         assert self.topology is not None

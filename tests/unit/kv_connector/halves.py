@@ -6,6 +6,7 @@ test's. Handshakes go to a side channel on a free local port."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ def kv_config(
     engine_id: str,
     transport: str = "nixl",
     tp: int = 1,
+    connector: str = "NixlConnector",
     **extra: Any,
 ) -> EngineConfig:
     return EngineConfig.from_engine_args(
@@ -44,7 +46,7 @@ def kv_config(
         max_num_seqs=16,
         tensor_parallel_size=tp,
         kv_transfer_config={
-            "kv_connector": "NixlConnector",
+            "kv_connector": connector,
             "kv_role": role,
             "engine_id": engine_id,
             "kv_buffer_device": "cpu",
@@ -82,11 +84,15 @@ class Instance:
         num_blocks: int = 64,
         transport: str = "nixl",
         use_v2: bool = False,
+        push: bool = False,
+        **extra: Any,
     ) -> None:
         self.engine_id = "prefill" if role == "kv_producer" else "decode"
-        config = kv_config(model, role, self.engine_id, transport)
+        connector = "NixlPushConnector" if push else "NixlConnector"
+        config = kv_config(model, role, self.engine_id, transport, connector=connector, **extra)
         monkeypatch.setenv("PDSERVE_SIDE_CHANNEL_PORT", str(get_open_port()))
-        self.connector = NixlConnectorScheduler(config)
+        self.port = int(os.environ["PDSERVE_SIDE_CHANNEL_PORT"])
+        self.connector = NixlConnectorScheduler(config, push=push)
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
@@ -95,7 +101,7 @@ class Instance:
             use_v2,
             kv_connector=self.connector,
         )
-        self.worker = NixlConnectorWorker(config, 0)
+        self.worker = NixlConnectorWorker(config, 0, push=push)
         self.cache = cache(num_blocks, filled=role == "kv_producer")
         self.worker.register_kv_caches(self.cache)
         if role == "kv_producer":

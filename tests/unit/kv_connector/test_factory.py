@@ -49,6 +49,6 @@ def test_named_connector_gives_its_two_halves(model: str) -> None:
 
 
 def test_unknown_connector_names_the_field_and_the_choices() -> None:
-    assert CONNECTORS.supported_names() == ("NixlConnector",)
+    assert CONNECTORS.supported_names() == ("NixlConnector", "NixlPushConnector")
     with pytest.raises(ValueError, match=r"kv_transfer_config\.kv_connector must be one of"):
         CONNECTORS.check("LMCacheConnector")
