@@ -109,12 +109,15 @@ class EngineMetrics:
         kv_docs = {
             "transfers": "KV loads completed (decode side).",
             "transfer_seconds": "Seconds spent in KV loads, start to last byte.",
-            "transfer_bytes": "Bytes of KV loaded.",
+            "transfer_bytes": "Bytes of KV loaded (push mode, prefill side: written).",
             "transfer_descriptors": "Transport descriptors of KV loads.",
             "failed_transfers": "KV loads that failed (handshake, transfer or timeout).",
             "failed_notifications": "Transport notifications that failed or could not be decoded.",
             "expired_leases": "Held KV blocks freed because no reader came before the lease ended.",
             "handshake_failures": "Side-channel handshakes that failed.",
+            "pushes": "Push mode, prefill side: registrations whose every block was written.",
+            "failed_pushes": "Push mode, prefill side: registrations that ended unwritten.",
+            "push_watchdogs": "Push mode, decode side: pushes given up after a lease of silence.",
         }
         self.kv_counters = {name: counter(f"kv_{name}", doc) for name, doc in kv_docs.items()}
         self.kv_gauges = {

@@ -125,6 +125,13 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tp", type=int, default=1)
     parser.add_argument("--decode-tp", type=int, default=1)
     parser.add_argument("--transport", choices=["nixl", "ucx"], default="nixl")
+    parser.add_argument(
+        "--kv-mode",
+        choices=["pull", "push"],
+        default="pull",
+        help="pull: NixlConnector, the decode instance reads the KV; push: NixlPushConnector, "
+        "the prefill instance writes it as it computes (the proxy sends both hops at once)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument(
         "--strict-pd", action="store_true", help="passed to the proxy: no local prefill path"
@@ -132,10 +139,10 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     add_routing_args(parser)  # passed to the proxy too
 
 
-def _kv_config(role: str, transport: str) -> str:
+def _kv_config(role: str, transport: str, kv_mode: str) -> str:
     return json.dumps(
         {
-            "kv_connector": "NixlConnector",
+            "kv_connector": "NixlPushConnector" if kv_mode == "push" else "NixlConnector",
             "kv_role": role,
             "kv_connector_extra_config": {"transport": transport},
         }
@@ -188,7 +195,7 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
                     "serve",
                     *model,
                     "--kv-transfer-config",
-                    _kv_config(kv_role, args.transport),
+                    _kv_config(kv_role, args.transport, args.kv_mode),
                     "--tensor-parallel-size",
                     str(tp),
                     *instance_args,
@@ -219,6 +226,8 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
                 "--decode",
                 *map(address, instances["decode"]),
                 *(["--strict-pd"] if args.strict_pd else []),
+                "--kv-mode",
+                args.kv_mode,
                 *model,
                 *routing_flags(args),
             ],

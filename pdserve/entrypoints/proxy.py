@@ -7,6 +7,10 @@ original, carrying the prefill answer's `kv_transfer_params`, to a decode instan
 chosen among those whose /health answered 200 at the last check, by cached prefix and load
 (proxy_routing.py).
 
+With `--kv-mode push` (instances running NixlPushConnector) both hops leave at once and the
+prefill instance writes the KV into the decode instance's blocks as it computes
+(proxy_push_leg.py, docs/push.md).
+
 When the prefill leg cannot be used (no prefill instance is up, its hop failed, or it answered
 without `kv_transfer_params`), the decode instance prefills the request itself, never untold:
 the response says `X-PD-Path: local; reason=...` (`remote` otherwise) and
@@ -51,6 +55,7 @@ from pdserve.entrypoints.proxy_metrics import ProxyMetrics
 from pdserve.entrypoints.proxy_openapi import ProxySchema
 from pdserve.entrypoints.proxy_prefill_leg import PrefillLeg, prefill_leg
 from pdserve.entrypoints.proxy_prompts import PromptTokens
+from pdserve.entrypoints.proxy_push_leg import can_push, push_legs
 from pdserve.entrypoints.proxy_routing import (
     Router,
     RoutingConfig,
@@ -88,9 +93,11 @@ def build_proxy_app(
     strict_pd: bool = False,
     routing: RoutingConfig | None = None,
     model: str | None = None,
+    kv_mode: str = "pull",
 ) -> FastAPI:
     """`model` (the instances' tokenizer, else the one their /server_info names) lets the proxy
-    route by the prompt's cached blocks and apply --pd-min-uncached-tokens."""
+    route by the prompt's cached blocks and apply --pd-min-uncached-tokens. `kv_mode` "push":
+    both hops at once, for instances that run NixlPushConnector."""
     pools = {
         "prefill": InstancePool("prefill", prefill, timeout_s),
         "decode": InstancePool("decode", decode, timeout_s),
@@ -192,6 +199,8 @@ def build_proxy_app(
             leg = PrefillLeg(reason="batch", detail="a batch of prompts")
         elif why_local is not None:
             leg = PrefillLeg(reason="policy", detail=why_local)
+        elif kv_mode == "push" and can_push(body):
+            leg = await push_legs(routers["prefill"], hashes, body, endpoint, headers, background)
         else:
             leg = await prefill_leg(routers["prefill"], hashes, body, endpoint, headers)
         prefill_s = time.perf_counter() - prefill_start
@@ -220,6 +229,7 @@ def build_proxy_app(
                 "X-PD-KV-Blocks": str(
                     len(leg.params.remote_block_ids or []) if leg.params is not None else 0
                 ),
+                "X-PD-KV-Mode": kv_mode,
             }
             if leg.instance is not None:
                 out_headers["X-PD-Prefill-Instance"] = leg.instance.url
@@ -417,6 +427,14 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
         "--pd-min-uncached-tokens need the prompt's tokens (default: the model the instances "
         "name in /server_info, when this host can read it)",
     )
+    parser.add_argument(
+        "--kv-mode",
+        choices=["pull", "push"],
+        default="pull",
+        help="pull: the decode hop follows the prefill hop and reads its KV (NixlConnector); "
+        "push: both hops at once, the prefill instance writes the KV as it computes "
+        "(instances run NixlPushConnector)",
+    )
     add_routing_args(parser)
 
 
@@ -426,7 +444,13 @@ def run_proxy(args: argparse.Namespace) -> int:
         if not host or not port.isdigit():
             raise ValueError(f"instance address {address!r} is not HOST:PORT")
     app = build_proxy_app(
-        args.prefill, args.decode, args.timeout, args.strict_pd, routing_config(args), args.model
+        args.prefill,
+        args.decode,
+        args.timeout,
+        args.strict_pd,
+        routing_config(args),
+        args.model,
+        args.kv_mode,
     )
     uvicorn.Server(
         uvicorn.Config(

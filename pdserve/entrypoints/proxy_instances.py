@@ -35,6 +35,8 @@ class Instance:
     late_checks: int = 0
     # Hops sent and not yet answered in full (a stream counts until it ends): its load.
     in_flight: int = 0
+    # Push mode: where its KV side channel answers (proxy_push_leg.SideChannel), once asked.
+    side_channel: Any = None
 
     async def check(self) -> None:
         try:
@@ -48,6 +50,7 @@ class Instance:
         except httpx.HTTPError as e:
             ok, why, self.late_checks = False, f"{type(e).__name__}: {e}", 0
         if ok != self.healthy:
+            self.side_channel = None  # back up, maybe restarted: another engine id
             logger.warning(
                 "%s instance %s is %s%s",
                 self.role,

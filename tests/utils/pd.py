@@ -16,10 +16,11 @@ def kv_transfer_config(
     transport: str = "nixl",
     kv_buffer_device: str | None = None,
     engine_id: str | None = None,
+    connector: str = "NixlConnector",
     **extra: Any,
 ) -> str:
     config = {
-        "kv_connector": "NixlConnector",
+        "kv_connector": connector,
         "kv_role": role,
         "kv_connector_extra_config": {"transport": transport, **extra},
     }
@@ -44,6 +45,7 @@ def start_instance(
     engine_id: str | None = None,
     side_channel_port: int | None = None,
     port: int | None = None,
+    connector: str = "NixlConnector",
     **extra: Any,
 ) -> RemoteServer:
     """One instance with its own side-channel port (a free one unless given); `runner` "0"/"1"
@@ -64,7 +66,7 @@ def start_instance(
         "--dtype",
         "float32",
         "--kv-transfer-config",
-        kv_transfer_config(role, transport, kv_buffer_device, engine_id, **extra),
+        kv_transfer_config(role, transport, kv_buffer_device, engine_id, connector, **extra),
         "--tensor-parallel-size",
         str(tp),
         *(extra_args or []),
@@ -134,9 +136,15 @@ def greedy_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any
     }
 
 
-def split_proxy(prefill: RemoteServer, decode: RemoteServer, *flags: str) -> RemoteServer:
-    """`pdserve proxy` over one prefill and one decode instance, every prompt through the
-    prefill leg (--pd-min-uncached-tokens 0: these test the split)."""
-    args = ["proxy", "--prefill", prefill.url.removeprefix("http://")]
-    args += ["--decode", decode.url.removeprefix("http://"), "--pd-min-uncached-tokens", "0"]
-    return RemoteServer([*args, *flags])
+def split_proxy(
+    prefill: RemoteServer | list[RemoteServer],
+    decode: RemoteServer | list[RemoteServer],
+    *flags: str,
+) -> RemoteServer:
+    """`pdserve proxy` over the prefill and decode instances, every prompt through the prefill
+    leg (--pd-min-uncached-tokens 0: these test the split)."""
+    address = lambda s: s.url.removeprefix("http://")  # noqa: E731
+    prefills = prefill if isinstance(prefill, list) else [prefill]
+    decodes = decode if isinstance(decode, list) else [decode]
+    args = ["proxy", "--prefill", *map(address, prefills), "--decode", *map(address, decodes)]
+    return RemoteServer([*args, "--pd-min-uncached-tokens", "0", *flags])

@@ -291,9 +291,17 @@ def build_app(
     @app.get("/server_info", responses=error_responses(401))
     async def server_info(config_format: str = "text") -> dict[str, Any]:
         """The engine's configuration (vLLM's endpoint): routers read the block size and the
-        KV events' endpoints from it."""
+        KV events' endpoints from it; a push-mode proxy reads where the KV side channel is."""
         config = engine.config.to_json()
-        return {"vllm_config": config if config_format == "json" else json.dumps(config)}
+        info: dict[str, Any] = {
+            "vllm_config": config if config_format == "json" else json.dumps(config)
+        }
+        if engine.config.kv_transfer_config is not None:
+            info["kv_side_channel"] = {
+                "host": envs.side_channel_host(),
+                "port": envs.side_channel_port(),
+            }
+        return info
 
     @app.get("/version", responses=error_responses(401))
     async def version() -> dict[str, str]:

@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 # Only a request that ran out of tokens (the proxy's max_tokens=1 hop) has a decode leg to come:
 # one the first token stopped (EOS, a stop token) is complete, and its blocks free at once.
 _DONE = (RequestStatus.FINISHED_LENGTH_CAPPED,)
-# In push mode the decode leg is there already, and samples its own first token: a stop here
-# is no reason not to push.
+# In push mode a request named by a transfer id has its decode leg there already, which samples
+# its own first token: a stop here is no reason not to push.
 _PUSH_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
@@ -59,6 +59,13 @@ def _recv_meta(params: KVTransferParams, local_block_ids: list[int]) -> RecvReqM
         remote_epoch=params.remote_epoch or "",
         remote_lease=(-1, 0) if lease is None else (lease.slot, lease.tag),
     )
+
+
+def _first_token(request: Request) -> int | None:
+    """The token this instance sampled: the decode side continues from it."""
+    if request.num_tokens > request.num_prompt_tokens:
+        return request.all_token_ids[request.num_prompt_tokens]
+    return None
 
 
 class LeaseBoard:
@@ -216,7 +223,7 @@ class NixlConnectorScheduler:
         # request prefills here rather than wait for KV that never comes.
         if params is not None and params.reads_remote(self.push):
             count = request.num_prompt_tokens - num_computed_tokens
-            if self.push and count <= self.block_size:
+            if self.push and num_computed_tokens and count <= self.block_size:
                 # The local hit holds all but at most a block: computing that here is quicker
                 # than waiting for the prefill instance (it is told nothing is needed).
                 return 0, False
@@ -405,10 +412,7 @@ class NixlConnectorScheduler:
             remote_lease=None
             if stamp is None
             else RemoteLease(stamp.slot, stamp.tag, self.lease_duration),
-            # The token this instance sampled: the decode side continues from it.
-            first_token_id=request.all_token_ids[request.num_prompt_tokens]
-            if request.num_tokens > request.num_prompt_tokens
-            else None,
+            first_token_id=_first_token(request),
         )
 
     def _push_finished(
@@ -420,18 +424,26 @@ class NixlConnectorScheduler:
         req_id = request.request_id
         self._pushing.pop(req_id, None)
         transfer_id = params.transfer_id or req_id
-        if request.status not in _PUSH_DONE:
+        if request.status not in (_PUSH_DONE if params.transfer_id else _DONE):
             self._push_aborts.append(transfer_id)
             return False, None
         if not block_ids:
             return False, None
         self._reqs_need_send[req_id] = time.time() + self.lease_duration
         self._sending.add(req_id)
+        # What a decode instance needs to register for it (the sequential path, after this
+        # answer: what the proxy does when it cannot send both legs at once).
         return True, KVTransferParams(
-            transfer_id=transfer_id,
+            do_remote_prefill=True,
             remote_engine_id=self.engine_id,
+            remote_request_id=transfer_id,
+            remote_host=self.side_channel_host,
+            remote_port=self.server.port if self.server else self.side_channel_port,
+            tp_size=self.tp_size,
             remote_num_tokens=request.num_computed_tokens,
             remote_cached_tokens=max(request.num_cached_tokens, 0),
+            remote_epoch=self.epoch,
+            first_token_id=_first_token(request),
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

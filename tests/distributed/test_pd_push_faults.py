@@ -1,0 +1,318 @@
+"""The fault suite in push mode (NixlPushConnector): each fault ends with a terminal state on
+both sides and every block pool full (pd_lessons 22, 24; docs/push.md).
+
+One prefill and one decode push instance serve the module, each with a fault plan
+(tests/utils/faults.py): a WRITE is failed or held, a registration observed. Process death
+keeps its real SIGKILL, on instances of their own. The two hops are sent as the push-mode proxy
+sends them: at once, the prefill hop naming a transfer id and the decode hop naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.utils.faults import FaultPlan, rule
+from tests.utils.pd import greedy_body, start_instance
+from tests.utils.server import RemoteServer, descendants
+from tests.utils.tiny_models import hf_greedy
+
+LEASE = 3  # seconds: heartbeats and PushAlive every 0.5 s
+ENGINE_IDS: dict[int, str] = {}  # side-channel port -> the engine id a prefill instance got
+PUSH = "NixlPushConnector"
+P_BLOCKS, D_BLOCKS = 40, 32
+SHORT = list(range(5, 60))
+LONG = list(range(5, 200))
+# 16 blocks each: on the decode side one and the other do not fit at once.
+QUEUED_FIRST = [(i * 7) % 500 + 3 for i in range(256)]
+QUEUED_SECOND = [(i * 11) % 500 + 3 for i in range(256)]
+
+
+def push_prefill(model: str, **kwargs: Any) -> RemoteServer:
+    engine_id = f"push-prefill-{uuid.uuid4().hex[:6]}"
+    server = start_instance(model, "kv_producer", connector=PUSH, engine_id=engine_id, **kwargs)
+    ENGINE_IDS[server.side_channel_port] = engine_id
+    return server
+
+
+class Pair:
+    def __init__(self, model: str, folder: Path) -> None:
+        self.model = model
+        self.p_plan, self.d_plan = FaultPlan(folder / "p"), FaultPlan(folder / "d")
+        self.p = push_prefill(
+            model,
+            extra_args=["--num-gpu-blocks-override", str(P_BLOCKS)],
+            env=self.p_plan.env,
+            kv_lease_duration=LEASE,
+            transfer_timeout=3,
+        )
+        try:
+            self.d = start_instance(
+                model,
+                "kv_consumer",
+                extra_args=["--num-gpu-blocks-override", str(D_BLOCKS)],
+                env=self.d_plan.env,
+                connector=PUSH,
+                handshake_timeout=2,
+                transfer_timeout=3,
+                kv_lease_duration=LEASE,
+            )
+        except BaseException:
+            self.p.stop()
+            raise
+
+    def body(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        return greedy_body(self.model, prompt, max_tokens)
+
+
+def hops(
+    p: RemoteServer, body: dict[str, Any], transfer_id: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(prefill hop, decode hop) of one request, as the push-mode proxy builds them."""
+    transfer_id = transfer_id or uuid.uuid4().hex
+    prefill_hop = {
+        **body,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id},
+    }
+    decode_hop = {
+        **body,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "remote_engine_id": ENGINE_IDS[p.side_channel_port],
+            "remote_request_id": transfer_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": p.side_channel_port,
+            "tp_size": 1,
+        },
+    }
+    return prefill_hop, decode_hop
+
+
+def post(server: RemoteServer, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+
+def tokens(resp: httpx.Response) -> list[int]:
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def both(
+    pool: ThreadPoolExecutor, p: RemoteServer, d: RemoteServer, body: dict[str, Any]
+) -> tuple[Future[httpx.Response], Future[httpx.Response]]:
+    prefill_hop, decode_hop = hops(p, body)
+    return pool.submit(post, p, prefill_hop), pool.submit(post, d, decode_hop)
+
+
+def kill(server: RemoteServer) -> None:
+    for pid in [server.proc.pid, *descendants(server.proc.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    server.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tiny_model: Callable[[str], str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
+    pair = Pair(tiny_model("llama"), tmp_path_factory.mktemp("push_faults"))
+    try:
+        yield pair
+    finally:
+        assert pair.p.stop() == [] and pair.d.stop() == []
+
+
+@pytest.fixture
+def faults(pair: Pair) -> Iterator[Pair]:
+    """The pair with no faults planned; after the test, no faults and both pools full."""
+    pair.p_plan.set()
+    pair.d_plan.set()
+    yield pair
+    pair.p_plan.set()
+    pair.d_plan.set()
+    pair.d.wait_pool_full()
+    pair.p.wait_pool_full()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Callable[[str], str]) -> Callable[[list[int], int], list[int]]:
+    model = Path(tiny_model("llama"))
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            (cache[key],) = hf_greedy(model, [prompt], max_tokens)
+        return cache[key]
+
+    return greedy
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(4) as pool:
+        yield pool
+
+
+def test_both_hops_at_once_give_hf_tokens(
+    faults: Pair, reference: Callable[[list[int], int], list[int]], pool: ThreadPoolExecutor
+) -> None:
+    pushes = faults.p.metric("kv_pushes_total")
+    prefill_done, decode_done = both(pool, faults.p, faults.d, faults.body(LONG))
+    assert tokens(decode_done.result()) == reference(LONG, 8)
+    assert prefill_done.result().status_code == 200
+    faults.p.wait_pool_full()
+    assert faults.p.metric("kv_pushes_total") == pushes + 1
+
+
+def test_a_registration_that_never_comes_frees_by_the_lease(faults: Pair) -> None:
+    """The decode hop never arrived (its instance died first): the lease frees the blocks."""
+    p = faults.p
+    expired = p.metric("kv_expired_leases_total")
+    prefill_hop, _ = hops(p, faults.body(SHORT))
+    assert post(p, prefill_hop).status_code == 200
+    assert p.metric("kv_cache_free_blocks") < p.metric("kv_cache_total_blocks") - 1, "held"
+    p.wait_pool_full(timeout=30)
+    assert p.metric("kv_expired_leases_total") == expired + 1
+
+
+def test_a_failed_write_ends_both_sides(faults: Pair, pool: ThreadPoolExecutor) -> None:
+    """pd_lessons 22: a WRITE that fails at its post is a terminal state on both sides, not a
+    decode side counting notifications forever: the client hears, both pools are full."""
+    p, d = faults.p, faults.d
+    failed = d.metric("kv_failed_transfers_total")
+    faults.p_plan.set(rule("fail", "read", "fail", op="WRITE"))
+    prefill_done, decode_done = both(pool, p, d, faults.body(LONG))
+    resp = decode_done.result()
+    assert resp.status_code == 500, resp.text
+    assert "the KV write failed in the transport" in resp.json()["error"]["message"]
+    assert prefill_done.result().status_code == 200
+    faults.p_plan.wait_fired("fail")
+    assert d.metric("kv_failed_transfers_total") == failed + 1
+    assert p.metric("kv_failed_pushes_total") >= 1
+
+
+def test_decode_abort_while_the_write_is_held_frees_both(
+    faults: Pair, pool: ThreadPoolExecutor
+) -> None:
+    """pd_lessons 24: the client leaves while the prefill side's WRITE into its blocks is held
+    open: the decode side keeps those blocks until the prefill side said it stopped; then both
+    free, and no lease expired."""
+    p, d = faults.p, faults.d
+    expired = p.metric("kv_expired_leases_total")
+    aborts = d.metric("request_success_total", finished_reason="abort")
+    faults.p_plan.set(rule("hold", "read", "delay", op="WRITE"))
+    prefill_hop, decode_hop = hops(p, faults.body(LONG, 500))
+    decode_done = pool.submit(
+        httpx.post, f"{d.url}/v1/completions", json=decode_hop, timeout=httpx.Timeout(2.0)
+    )
+    assert post(p, prefill_hop).status_code == 200
+    faults.p_plan.wait_fired("hold")
+    with pytest.raises(httpx.TimeoutException):
+        decode_done.result()  # the client gives up: the decode request is aborted
+    deadline = time.monotonic() + 60
+    while d.metric("request_success_total", finished_reason="abort") < aborts + 1:
+        assert time.monotonic() < deadline, "the abort never came"
+        time.sleep(0.05)
+    # The held WRITE may still land in its blocks: they stay.
+    assert d.metric("kv_cache_free_blocks") < d.metric("kv_cache_total_blocks") - 1
+    faults.p_plan.release("hold")
+    d.wait_pool_full()
+    p.wait_pool_full()
+    assert p.metric("kv_expired_leases_total") == expired
+
+
+def test_decode_rejects_before_admission_prefill_frees_at_once(
+    faults: Pair, pool: ThreadPoolExecutor
+) -> None:
+    """pd_lessons 2: a decode hop refused at validation tells the prefill side that nothing is
+    needed: its blocks free when the prompt is done, not by the lease."""
+    p, d = faults.p, faults.d
+    expired = p.metric("kv_expired_leases_total")
+    prefill_hop, decode_hop = hops(p, faults.body(SHORT))
+    resp = post(d, {**decode_hop, "temperature": -1})
+    assert resp.status_code == 400
+    assert post(p, prefill_hop).status_code == 200
+    p.wait_pool_full()
+    assert p.metric("kv_expired_leases_total") == expired
+
+
+def test_decode_requests_queued_past_the_lease_keep_the_prefill_blocks(
+    faults: Pair, reference: Callable[[list[int], int], list[int]], pool: ThreadPoolExecutor
+) -> None:
+    """pd_lessons 3 and 22: a decode request queued for admission longer than the prefill
+    side's lease (the first one's write is held, its blocks fill the pool) heart-beats from its
+    arrival: no lease expires, and both outputs are HF's."""
+    p, d = faults.p, faults.d
+    expired = p.metric("kv_expired_leases_total")
+    first_p, first_d = hops(p, faults.body(QUEUED_FIRST, 4), "first-" + uuid.uuid4().hex)
+    second_p, second_d = hops(p, faults.body(QUEUED_SECOND), "second-" + uuid.uuid4().hex)
+    second_id = second_d["kv_transfer_params"]["remote_request_id"]
+    faults.p_plan.set(
+        rule("hold", "read", "delay", op="WRITE", count=0),
+        rule("beat", "recv_notif", "pass", contains=second_id, count=0),
+    )
+    done_first = pool.submit(post, d, first_d)
+    assert post(p, first_p).status_code == 200
+    faults.p_plan.wait_fired("hold")
+    done_second = pool.submit(post, d, second_d)
+    assert post(p, second_p).status_code == 200
+    faults.p_plan.wait_fired("beat", 8)  # heartbeats over more than a lease
+    assert p.metric("kv_expired_leases_total") == expired
+    faults.p_plan.release("hold")
+    assert tokens(done_first.result()) == reference(QUEUED_FIRST, 4)
+    assert tokens(done_second.result()) == reference(QUEUED_SECOND, 8)
+    assert p.metric("kv_expired_leases_total") == expired
+
+
+def test_prefill_killed_while_writing_fires_the_watchdog(
+    faults: Pair, pool: ThreadPoolExecutor
+) -> None:
+    """The prefill instance is SIGKILLed while its WRITE is held: its PushAlive stops, the
+    decode side's watchdog ends the request within a lease, and the decode side serves on."""
+    d, model = faults.d, faults.model
+    plan = FaultPlan(faults.p_plan.folder.parent / "killed")
+    p = push_prefill(model, env=plan.env)
+    try:
+        plan.set(rule("hold", "read", "delay", op="WRITE"))
+        prefill_done, decode_done = both(pool, p, d, faults.body(LONG))
+        plan.wait_fired("hold")
+        kill(p)
+        resp = decode_done.result()
+        assert resp.status_code == 500, resp.text
+        assert "sent no word" in resp.json()["error"]["message"]
+        ok = d.client().completions.create(model=model, prompt="still here", max_tokens=3)
+        assert ok.usage.completion_tokens == 3
+    finally:
+        p.stop()
+
+
+def test_decode_killed_after_registering_frees_the_prefill_side(
+    faults: Pair, pool: ThreadPoolExecutor
+) -> None:
+    """The decode instance is SIGKILLed once its registration arrived, the WRITE held: the
+    WRITE fails against the dead peer and the prefill side frees, within its transfer timeout,
+    not its lease."""
+    p, model = faults.p, faults.model
+    plan = FaultPlan(faults.d_plan.folder.parent / "killed-decode")
+    d = start_instance(model, "kv_consumer", env=plan.env, connector=PUSH)
+    try:
+        faults.p_plan.set(rule("hold", "read", "delay", op="WRITE"))
+        prefill_hop, decode_hop = hops(p, faults.body(LONG))
+        pool.submit(post, d, decode_hop)
+        assert post(p, prefill_hop).status_code == 200
+        faults.p_plan.wait_fired("hold")
+        kill(d)
+        faults.p_plan.release("hold")
+        p.wait_pool_full(timeout=60)
+    finally:
+        d.stop()
