@@ -61,6 +61,7 @@ def test_sigterm_drains_then_exits(model: str) -> None:
         server.stop()
 
 
+@pytest.mark.slow  # 30 s; the default stage drains a single instance (test_sigterm_drains_then_exits)
 def test_prefill_instance_keeps_held_kv_until_it_is_read(model: str) -> None:
     with (
         start_instance(model, "kv_producer") as p,

@@ -22,6 +22,11 @@ from tests.utils.pd import greedy_body, start_instance, wait_all_pools_full
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
 
+# Four instances that publish KV events (about 50 s to start on 2 cores) and a proxy: the
+# default stage stays under 15 minutes; the router's decisions run there in
+# tests/unit/entrypoints/test_proxy_routing.py.
+pytestmark = pytest.mark.slow
+
 BLOCK = 16
 MAX_TOKENS = 4
 
@@ -164,7 +169,6 @@ def test_strict_pd_never_skips_the_prefill_leg(
         assert proxy.stop() == []
 
 
-@pytest.mark.slow  # over a minute on 2 cores: the default stage stays under 15
 def test_a_dead_instance_s_leg_is_retried_on_another(model: str) -> None:
     """Prefill and decode legs alike: the instance the router chose is gone (killed between
     legs of earlier requests), the leg goes to the other one, and the client sees nothing."""

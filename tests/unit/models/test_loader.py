@@ -239,6 +239,7 @@ def test_gguf_model_knows_the_capital_of_france(smollm2: SmolLM2) -> None:
     assert smollm2.tokenizer.decode([int(logits[-1].argmax())]) == " Paris"
 
 
+@pytest.mark.slow  # 20 s; the GGUF model's own answer is checked in the default stage above
 def test_gguf_model_matches_transformers_gguf_load(smollm2: SmolLM2) -> None:
     reference = load_hf_model(smollm2.source.path)
     with torch.inference_mode():
