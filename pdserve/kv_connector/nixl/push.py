@@ -275,14 +275,17 @@ class PushReceiver:
         nothing is needed). `report`: the request waits for its blocks (not a decline)."""
         local = meta.local_block_ids
         num_registrants = self.topology.readers_per_remote_rank(engine.tp_size)
+        landings = [
+            self.topology.read_target(local, j, engine.tp_size, remote_meta.block_len)
+            if local
+            else (0, [])
+            for j, (_, remote_meta) in enumerate(engine.agents)
+        ]
+        # Taken after the landing places: a first heterogeneous-TP push registers its staging
+        # area just now, and the writer must know that region.
         me = self.transport.get_agent_metadata()
         total = 0
-        for j, (agent, remote_meta) in enumerate(engine.agents):
-            region, targets = (0, [])
-            if local:
-                region, targets = self.topology.read_target(
-                    local, j, engine.tp_size, remote_meta.block_len
-                )
+        for (agent, remote_meta), (region, targets) in zip(engine.agents, landings):
             msg = PushRegistration(
                 meta.remote_request_id,
                 req_id,
