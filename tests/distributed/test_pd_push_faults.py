@@ -10,6 +10,7 @@ sends them: at once, the prefill hop naming a transfer id and the decode hop nam
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 import uuid
@@ -26,15 +27,21 @@ from tests.utils.pd import greedy_body, start_instance
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
 
+# 70 s here: the default stage runs the same paths on the connector's real halves over both
+# transports (tests/unit/kv_connector/test_push_lifecycle.py).
+pytestmark = pytest.mark.slow
+
 LEASE = 3  # seconds: heartbeats and PushAlive every 0.5 s
 ENGINE_IDS: dict[int, str] = {}  # side-channel port -> the engine id a prefill instance got
 PUSH = "NixlPushConnector"
 P_BLOCKS, D_BLOCKS = 40, 32
-SHORT = list(range(5, 60))
-LONG = list(range(5, 200))
-# 16 blocks each: on the decode side one and the other do not fit at once.
-QUEUED_FIRST = [(i * 7) % 500 + 3 for i in range(256)]
-QUEUED_SECOND = [(i * 11) % 500 + 3 for i in range(256)]
+_RNG = random.Random(0)
+
+
+def fresh(n: int) -> list[int]:
+    """A prompt no instance has cached: each test pushes its own (a decode-side hit would
+    compute the rest there and push nothing)."""
+    return [_RNG.randrange(3, 500) for _ in range(n)]
 
 
 def push_prefill(model: str, **kwargs: Any) -> RemoteServer:
@@ -167,8 +174,9 @@ def test_both_hops_at_once_give_hf_tokens(
     faults: Pair, reference: Callable[[list[int], int], list[int]], pool: ThreadPoolExecutor
 ) -> None:
     pushes = faults.p.metric("kv_pushes_total")
-    prefill_done, decode_done = both(pool, faults.p, faults.d, faults.body(LONG))
-    assert tokens(decode_done.result()) == reference(LONG, 8)
+    prompt = fresh(195)
+    prefill_done, decode_done = both(pool, faults.p, faults.d, faults.body(prompt))
+    assert tokens(decode_done.result()) == reference(prompt, 8)
     assert prefill_done.result().status_code == 200
     faults.p.wait_pool_full()
     assert faults.p.metric("kv_pushes_total") == pushes + 1
@@ -178,7 +186,7 @@ def test_a_registration_that_never_comes_frees_by_the_lease(faults: Pair) -> Non
     """The decode hop never arrived (its instance died first): the lease frees the blocks."""
     p = faults.p
     expired = p.metric("kv_expired_leases_total")
-    prefill_hop, _ = hops(p, faults.body(SHORT))
+    prefill_hop, _ = hops(p, faults.body(fresh(55)))
     assert post(p, prefill_hop).status_code == 200
     assert p.metric("kv_cache_free_blocks") < p.metric("kv_cache_total_blocks") - 1, "held"
     p.wait_pool_full(timeout=30)
@@ -191,7 +199,7 @@ def test_a_failed_write_ends_both_sides(faults: Pair, pool: ThreadPoolExecutor) 
     p, d = faults.p, faults.d
     failed = d.metric("kv_failed_transfers_total")
     faults.p_plan.set(rule("fail", "read", "fail", op="WRITE"))
-    prefill_done, decode_done = both(pool, p, d, faults.body(LONG))
+    prefill_done, decode_done = both(pool, p, d, faults.body(fresh(195)))
     resp = decode_done.result()
     assert resp.status_code == 500, resp.text
     assert "the KV write failed in the transport" in resp.json()["error"]["message"]
@@ -211,7 +219,7 @@ def test_decode_abort_while_the_write_is_held_frees_both(
     expired = p.metric("kv_expired_leases_total")
     aborts = d.metric("request_success_total", finished_reason="abort")
     faults.p_plan.set(rule("hold", "read", "delay", op="WRITE"))
-    prefill_hop, decode_hop = hops(p, faults.body(LONG, 500))
+    prefill_hop, decode_hop = hops(p, faults.body(fresh(195), 500))
     decode_done = pool.submit(
         httpx.post, f"{d.url}/v1/completions", json=decode_hop, timeout=httpx.Timeout(2.0)
     )
@@ -238,7 +246,7 @@ def test_decode_rejects_before_admission_prefill_frees_at_once(
     needed: its blocks free when the prompt is done, not by the lease."""
     p, d = faults.p, faults.d
     expired = p.metric("kv_expired_leases_total")
-    prefill_hop, decode_hop = hops(p, faults.body(SHORT))
+    prefill_hop, decode_hop = hops(p, faults.body(fresh(55)))
     resp = post(d, {**decode_hop, "temperature": -1})
     assert resp.status_code == 400
     assert post(p, prefill_hop).status_code == 200
@@ -254,8 +262,10 @@ def test_decode_requests_queued_past_the_lease_keep_the_prefill_blocks(
     arrival: no lease expires, and both outputs are HF's."""
     p, d = faults.p, faults.d
     expired = p.metric("kv_expired_leases_total")
-    first_p, first_d = hops(p, faults.body(QUEUED_FIRST, 4), "first-" + uuid.uuid4().hex)
-    second_p, second_d = hops(p, faults.body(QUEUED_SECOND), "second-" + uuid.uuid4().hex)
+    # 16 blocks each: on the decode side one and the other do not fit at once.
+    queued_first, queued_second = fresh(256), fresh(256)
+    first_p, first_d = hops(p, faults.body(queued_first, 4), "first-" + uuid.uuid4().hex)
+    second_p, second_d = hops(p, faults.body(queued_second), "second-" + uuid.uuid4().hex)
     second_id = second_d["kv_transfer_params"]["remote_request_id"]
     faults.p_plan.set(
         rule("hold", "read", "delay", op="WRITE", count=0),
@@ -269,8 +279,8 @@ def test_decode_requests_queued_past_the_lease_keep_the_prefill_blocks(
     faults.p_plan.wait_fired("beat", 8)  # heartbeats over more than a lease
     assert p.metric("kv_expired_leases_total") == expired
     faults.p_plan.release("hold")
-    assert tokens(done_first.result()) == reference(QUEUED_FIRST, 4)
-    assert tokens(done_second.result()) == reference(QUEUED_SECOND, 8)
+    assert tokens(done_first.result()) == reference(queued_first, 4)
+    assert tokens(done_second.result()) == reference(queued_second, 8)
     assert p.metric("kv_expired_leases_total") == expired
 
 
@@ -284,7 +294,7 @@ def test_prefill_killed_while_writing_fires_the_watchdog(
     p = push_prefill(model, env=plan.env)
     try:
         plan.set(rule("hold", "read", "delay", op="WRITE"))
-        prefill_done, decode_done = both(pool, p, d, faults.body(LONG))
+        prefill_done, decode_done = both(pool, p, d, faults.body(fresh(195)))
         plan.wait_fired("hold")
         kill(p)
         resp = decode_done.result()
@@ -307,7 +317,7 @@ def test_decode_killed_after_registering_frees_the_prefill_side(
     d = start_instance(model, "kv_consumer", env=plan.env, connector=PUSH)
     try:
         faults.p_plan.set(rule("hold", "read", "delay", op="WRITE"))
-        prefill_hop, decode_hop = hops(p, faults.body(LONG))
+        prefill_hop, decode_hop = hops(p, faults.body(fresh(195)))
         pool.submit(post, d, decode_hop)
         assert post(p, prefill_hop).status_code == 200
         faults.p_plan.wait_fired("hold")
