@@ -163,14 +163,16 @@ class EngineCore:
         return self.kv_connector.release_remote(request_id, params)
 
     def step(self) -> list[EngineCoreOutput]:
-        # While this instance has no requests, the others on its host may use its cores.
-        self.cores.mark(self.scheduler.has_unfinished_requests())
+        # While this instance computes nothing (no request, or only requests that wait for a
+        # peer's KV: a push-mode decode instance while its prefill instance computes), the
+        # others on its host may use its cores.
+        self.cores.mark(self.scheduler.has_requests_to_compute())
         failed = self._schedule_compiled() if self.waiting_for_grammar else []
         outputs = self.step_with_batch_queue() if self.batch_queue_size > 1 else self._step()
         if failed:
             outputs = failed + outputs
         self._publish_kv_events()
-        self.cores.mark(self.scheduler.has_unfinished_requests())
+        self.cores.mark(self.scheduler.has_requests_to_compute())
         return outputs
 
     def _step(self) -> list[EngineCoreOutput]:

@@ -33,7 +33,11 @@ from pdserve.utils import FAILED, READY, exit_with_parent
 
 logger = logging.getLogger(__name__)
 
+# An engine that only waits for KV transfers polls its workers after this long, doubling up to
+# the maximum while nothing changes: a read ends within milliseconds, but a push-mode decode
+# instance waits for a whole prefill, and each poll is a step through its workers.
 _TRANSFER_POLL_MS = 2
+_TRANSFER_POLL_MAX_MS = 16
 
 
 class EngineCoreProc:
@@ -60,6 +64,7 @@ class EngineCoreProc:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
+        poll_ms = _TRANSFER_POLL_MS
         while True:
             # Block when idle; a busy engine picks up new inputs between two steps; one that
             # only waits for KV transfers polls its workers every few milliseconds, not in a spin.
@@ -68,11 +73,13 @@ class EngineCoreProc:
             elif self.engine.last_step_scheduled or self.engine.batch_queue:
                 timeout = 0
             else:
-                timeout = _TRANSFER_POLL_MS
+                timeout = poll_ms
             events = poller.poll(timeout)
             rejected: dict[str, str] = {}
             changed = bool(events) and self._drain_inputs(rejected)
             outputs = self.engine.step()
+            quiet = timeout == poll_ms and not (outputs or changed or rejected)
+            poll_ms = min(2 * poll_ms, _TRANSFER_POLL_MAX_MS) if quiet else _TRANSFER_POLL_MS
             if outputs or changed or rejected:
                 scheduler_stats, kv_stats = self.engine.get_stats()
                 self._send(

@@ -380,6 +380,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
+    def has_requests_to_compute(self) -> bool:
+        """Whether a step may run the model: requests that only wait for a peer's KV need no
+        core until it arrived."""
+        return bool(self.running or self.waiting or self.remote_kv.finished_recving_kv_req_ids)
+
     def has_finished_requests(self) -> bool:
         """Finished ids not yet sent to the workers: one more step must carry them."""
         return len(self.finished_req_ids) > 0

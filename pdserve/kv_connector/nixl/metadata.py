@@ -89,10 +89,12 @@ class NixlConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True)
     reqs_to_push: dict[str, PushReqMeta] = msgspec.field(default_factory=dict)
     push_aborts: list[str] = msgspec.field(default_factory=list)
     # Push mode, decode side: requests aborted while a push into their blocks is awaited (the
-    # prefill side stops writing), and registrations that ask for nothing, for requests that
-    # compute their prompt's short rest here.
+    # prefill side stops writing).
     push_cancels: list[str] = msgspec.field(default_factory=list)
-    push_declines: dict[str, RecvReqMeta] = msgspec.field(default_factory=dict)
+    # Decode side: requests that need none of the prefill side's KV after all (a local hit;
+    # in push mode also a short rest computed here): an empty read (push: registration) tells
+    # it to free, and nothing is reported back.
+    declines: dict[str, RecvReqMeta] = msgspec.field(default_factory=dict)
 
 
 class AgentMetadata(msgspec.Struct, array_like=True):

@@ -161,11 +161,12 @@ class NixlConnectorScheduler:
         # Push mode. Prefill side: requests whose blocks fill for a push (request, its block
         # list, which the KV cache manager extends in place), and transfer ids of requests
         # aborted since the last step. Decode side: requests aborted while their push is
-        # awaited, and registrations that ask for nothing.
+        # awaited.
         self._pushing: dict[str, tuple[Request, list[KVCacheBlock]]] = {}
         self._push_aborts: list[str] = []
         self._push_cancels: list[str] = []
-        self._push_declines: dict[str, RecvReqMeta] = {}
+        # Decode side: requests that need nothing from the prefill side after all.
+        self._declines: dict[str, RecvReqMeta] = {}
         self.recompute_failed_loads = kv.kv_load_failure_policy == "recompute"
         self._encoder = msgspec.msgpack.Encoder()
         # Host staging: the pool of the workers' staging buffer blocks (sized here when the
@@ -288,10 +289,10 @@ class NixlConnectorScheduler:
             local = (
                 [b.block_id for b in blocks if b.block_hash is None] if num_external_tokens else []
             )
-            if self.push and not local:
+            if not local:
                 # Computed here: the prefill instance hears that nothing is needed; this request
                 # waits for no answer.
-                self._push_declines[request.request_id] = _recv_meta(params, [])
+                self._declines[request.request_id] = _recv_meta(params, [])
                 params.do_remote_prefill = False
                 return
             staging_ids = []
@@ -315,6 +316,7 @@ class NixlConnectorScheduler:
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         meta = NixlConnectorMetadata(self._reqs_need_recv, self._reqs_need_send)
+        meta.declines, self._declines = self._declines, {}
         if self.staging is not None:
             meta.reqs_to_save = self.staging.save_orders(scheduler_output)
         meta.lease_stamps = self.board.take_orders()
@@ -334,7 +336,7 @@ class NixlConnectorScheduler:
 
     def _push_orders(self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
         """The step's push orders: the blocks each pushing request's step makes final (the
-        request's numbers are still those from before the step), aborts, cancels, declines."""
+        request's numbers are still those from before the step), aborts, cancels."""
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             if req_id not in self._pushing:
                 continue
@@ -349,7 +351,6 @@ class NixlConnectorScheduler:
             )
         meta.push_aborts, self._push_aborts = self._push_aborts, []
         meta.push_cancels, self._push_cancels = self._push_cancels, []
-        meta.push_declines, self._push_declines = self._push_declines, {}
 
     def release_remote(self, request_id: str, params: KVTransferParams) -> bool:
         """Tell the prefill side to free a request's blocks now, with an empty read: this

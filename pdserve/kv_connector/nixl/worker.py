@@ -145,8 +145,8 @@ class NixlConnectorWorker:
         # handshook again because their prefill instance's epoch had changed.
         self._prepared: dict[str, float] = {}
         self._rehandshaked: set[str] = set()
-        # Push mode: the two sides' state (set once the cache is registered), and the requests
-        # of `_waiting` whose registrations decline (they ask for nothing and report nothing).
+        # Push mode: the two sides' state (set once the cache is registered). The requests of
+        # `_waiting` that decline (they ask for nothing and report nothing).
         self.sender: PushSender | None = None
         self.receiver: PushReceiver | None = None
         self._declined: set[str] = set()
@@ -228,14 +228,14 @@ class NixlConnectorWorker:
         self.leases.stamp(meta.lease_stamps)
         self.leases.hold(meta.reqs_to_send)
         self._waiting.update(meta.reqs_to_recv)
+        self._waiting.update(meta.declines)
+        self._declined.update(meta.declines)
         if self.sender is not None and self.receiver is not None:
             self.sender.update(meta.reqs_to_push, meta.push_aborts)
             self.receiver.cancel(meta.push_cancels)
             for req_id in meta.push_cancels:
                 if req_id in self._waiting:  # not registered yet: register for nothing
                     self._waiting[req_id].local_block_ids = []
-            self._waiting.update(meta.push_declines)
-            self._declined.update(meta.push_declines)
         for engine_id, remote_ids in meta.heartbeats.items():
             engine = self._engines.get(engine_id)
             if engine is not None:
@@ -312,13 +312,13 @@ class NixlConnectorWorker:
                 continue
             del self._waiting[req_id]
             self._rehandshaked.discard(req_id)
+            report = req_id not in self._declined
+            self._declined.discard(req_id)
             try:
                 if self.receiver is not None:
-                    declined = req_id in self._declined
-                    self._declined.discard(req_id)
-                    self.receiver.register(req_id, meta, engine, report=not declined)
+                    self.receiver.register(req_id, meta, engine, report)
                 else:
-                    self._read(req_id, meta, engine)
+                    self._read(req_id, meta, engine, report)
             except Exception as e:  # a bad descriptor, a vanished agent: this request only
                 logger.error("KV load of request %s failed to start: %s", req_id, e)
                 self._fail(
@@ -358,7 +358,7 @@ class NixlConnectorWorker:
                 f"cannot read {remote.memory} memory ({obstacle})",
             )
 
-    def _read(self, req_id: str, meta: RecvReqMeta, engine: RemoteEngine) -> None:
+    def _read(self, req_id: str, meta: RecvReqMeta, engine: RemoteEngine, report: bool) -> None:
         assert self.topology is not None
         local = meta.local_block_ids
         notif = Notif(
@@ -366,7 +366,8 @@ class NixlConnectorWorker:
         )
         if not local:  # a full local prefix hit, or an abort: the prefill side only needs to free
             self._notify(engine, notif)
-            self._done_recving.add(req_id)
+            if report:
+                self._done_recving.add(req_id)
             return
         if len(meta.remote_block_ids) < len(local):
             raise ValueError(
