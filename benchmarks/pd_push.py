@@ -104,7 +104,9 @@ def main() -> None:
         for deployment in deployments.values():
             stop_server(deployment.proc)
     table: dict[str, Any] = {}
-    print(f"{'decode-side hit':>15s} {'mode':>5s} {'TTFT p50 ms':>12s} {'p90 ms':>8s} {'KV KiB':>8s}")
+    print(
+        f"{'decode-side hit':>15s} {'mode':>5s} {'TTFT p50 ms':>12s} {'p90 ms':>8s} {'KV KiB':>8s}"
+    )
     for hit in HITS:
         for mode in MODES:
             ttfts = [m[0] for m in results[(hit, mode)]]

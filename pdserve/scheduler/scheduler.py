@@ -381,9 +381,16 @@ class Scheduler:
         return self.get_num_unfinished_requests() > 0
 
     def has_requests_to_compute(self) -> bool:
-        """Whether a step may run the model: requests that only wait for a peer's KV need no
-        core until it arrived."""
-        return bool(self.running or self.waiting or self.remote_kv.finished_recving_kv_req_ids)
+        """Whether a step may run the model: requests that only wait for a peer's KV (parked,
+        or queued to load it) need no core until it arrived."""
+        return bool(
+            self.running
+            or self.remote_kv.finished_recving_kv_req_ids
+            or any(
+                r.kv_transfer_params is None or not r.kv_transfer_params.do_remote_prefill
+                for r in self.waiting
+            )
+        )
 
     def has_finished_requests(self) -> bool:
         """Finished ids not yet sent to the workers: one more step must carry them."""
