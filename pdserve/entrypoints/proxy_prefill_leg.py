@@ -44,6 +44,27 @@ class PrefillLeg:
         return self.path if self.reason is None else f"local; reason={self.reason}"
 
 
+def is_one_token(body: dict[str, Any]) -> bool:
+    return (body.get("max_completion_tokens") or body.get("max_tokens")) == 1
+
+
+def one_token_hop(body: dict[str, Any], params: KVTransferParams | None) -> dict[str, Any]:
+    """The prefill hop's body: the request for one token, not streamed, with `params`."""
+    # One sequence prefills, whatever the client's n: one hand-off, which the decode
+    # instance's n sequences share. The hop's sequence is the client's first (same seed).
+    hop = {**body, "max_tokens": 1, "stream": False, "n": 1}
+    if params is not None:
+        hop["kv_transfer_params"] = params.to_json()
+    if hop.get("min_tokens"):  # it forbids a stop at the first token here as it would there
+        hop["min_tokens"] = 1
+    if "max_completion_tokens" in hop:
+        hop["max_completion_tokens"] = 1
+    hop.pop("stream_options", None)
+    if body.get("stream"):  # a stream never returns prompt_logprobs (0 is all it may ask)
+        hop.pop("prompt_logprobs", None)
+    return hop
+
+
 async def prefill_leg(
     router: Router,
     hashes: list[int],
@@ -55,19 +76,9 @@ async def prefill_leg(
     instance (the router's pick for a prompt of these block hashes) and keeps its KV for the
     decode instance."""
     single = body.get("n", 1) == 1
-    one_token = single and (body.get("max_completion_tokens") or body.get("max_tokens")) == 1
-    # One sequence prefills, whatever the client's n: one hand-off, which the decode
-    # instance's n sequences share. The hop's sequence is the client's first (same seed).
-    hop = {**body, "max_tokens": 1, "stream": False, "n": 1}
-    if not one_token:  # a one-token request needs no decode leg: nothing is handed over
-        hop["kv_transfer_params"] = KVTransferParams(do_remote_decode=True).to_json()
-    if hop.get("min_tokens"):  # it forbids a stop at the first token here as it would there
-        hop["min_tokens"] = 1
-    if "max_completion_tokens" in hop:
-        hop["max_completion_tokens"] = 1
-    hop.pop("stream_options", None)
-    if body.get("stream"):  # a stream never returns prompt_logprobs (0 is all it may ask)
-        hop.pop("prompt_logprobs", None)
+    one_token = single and is_one_token(body)
+    # A one-token request needs no decode leg: nothing is handed over.
+    hop = one_token_hop(body, None if one_token else KVTransferParams(do_remote_decode=True))
     instance, resp, failure = await _send(router, hashes, hop, endpoint, headers)
     if resp is None:
         return PrefillLeg(instance, reason=failure[0], detail=failure[1])

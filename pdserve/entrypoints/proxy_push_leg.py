@@ -20,7 +20,7 @@ import httpx
 
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.proxy_instances import Instance, failed
-from pdserve.entrypoints.proxy_prefill_leg import PrefillLeg
+from pdserve.entrypoints.proxy_prefill_leg import PrefillLeg, is_one_token, one_token_hop
 from pdserve.entrypoints.proxy_routing import Router
 from pdserve.kv_connector.params import KVTransferParams
 
@@ -58,9 +58,7 @@ def can_push(body: dict[str, Any]) -> bool:
     """Whether a request's answer is the decode instance's alone: not a one-token one (the
     prefill instance's answer is all of it) and not one asking for prompt logprobs (the
     prefill instance computes those)."""
-    one_token = body.get("n", 1) == 1 and (
-        (body.get("max_completion_tokens") or body.get("max_tokens")) == 1
-    )
+    one_token = body.get("n", 1) == 1 and is_one_token(body)
     return not one_token and not body.get("prompt_logprobs")
 
 
@@ -84,15 +82,7 @@ async def push_legs(
         detail = f"{instance.url}: no KV side channel in its /server_info ({e!r})"
         return PrefillLeg(instance, reason="prefill-failed", detail=detail)
     transfer_id = f"{headers['X-Request-Id']}-{uuid.uuid4().hex[:8]}"
-    hop = {**body, "max_tokens": 1, "stream": False, "n": 1}
-    hop["kv_transfer_params"] = KVTransferParams(
-        do_remote_decode=True, transfer_id=transfer_id
-    ).to_json()
-    if hop.get("min_tokens"):
-        hop["min_tokens"] = 1
-    if "max_completion_tokens" in hop:
-        hop["max_completion_tokens"] = 1
-    hop.pop("stream_options", None)
+    hop = one_token_hop(body, KVTransferParams(do_remote_decode=True, transfer_id=transfer_id))
     task = asyncio.create_task(_prefill_hop(instance, hop, endpoint, headers))
     background.add(task)
     task.add_done_callback(background.discard)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -24,10 +23,9 @@ import pytest
 import zmq
 
 from pdserve.utils import get_open_port
-from tests.utils.faults import FaultPlan, rule
+from tests.utils.faults import FaultPlan, rule, without_faults
 from tests.utils.pd import greedy_body, prefill, split_request, start_instance
-from tests.utils.server import RemoteServer, descendants
-from tests.utils.tiny_models import hf_greedy
+from tests.utils.server import RemoteServer, sigkill
 
 LEASE = 3  # seconds: heartbeats every 0.5 s
 P_BLOCKS, D_BLOCKS = 40, 32  # small pools: a test can fill one, or make a request queue
@@ -99,34 +97,7 @@ def pair(
 
 @pytest.fixture
 def faults(pair: Pair) -> Iterator[Pair]:
-    """The pair with no faults planned; after the test, no faults and both pools full."""
-    pair.p_plan.set()
-    pair.d_plan.set()
-    yield pair
-    pair.p_plan.set()
-    pair.d_plan.set()
-    pair.d.wait_pool_full()
-    pair.p.wait_pool_full()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model: Callable[[str], str]) -> Callable[[list[int], int], list[int]]:
-    model = Path(tiny_model("llama"))
-    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in cache:
-            (cache[key],) = hf_greedy(model, [prompt], max_tokens)
-        return cache[key]
-
-    return greedy
-
-
-@pytest.fixture
-def background() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(4) as pool:
-        yield pool
+    yield from without_faults(pair)
 
 
 def test_lease_expires_when_no_decode_reads(faults: Pair) -> None:
@@ -313,12 +284,6 @@ def test_model_mismatch_at_handshake(tiny_model: Callable[[str], str], faults: P
         assert p.stop() == []
 
 
-def _kill(server: RemoteServer) -> None:
-    for pid in [server.proc.pid, *descendants(server.proc.pid)]:
-        os.kill(pid, signal.SIGKILL)
-    server.proc.wait()
-
-
 def test_prefill_killed_before_read(
     tiny_model: Callable[[str], str],
     faults: Pair,
@@ -332,7 +297,7 @@ def test_prefill_killed_before_read(
         assert _tokens(split_request(p, d, faults.body(SHORT))) == reference(SHORT, 8)
         failed = d.metric("kv_failed_transfers_total")
         params = prefill(p, faults.body(LONG))
-        _kill(p)
+        sigkill(p)
         resp = _decode(d, faults.body(LONG), params)
         assert resp.status_code == 500, resp.text
         assert "KV cache could not be loaded" in resp.json()["error"]["message"]
@@ -358,7 +323,7 @@ def test_prefill_restarted_at_the_same_address_is_handshaked_again(
     try:
         assert _tokens(split_request(p, d, faults.body(SHORT))) == reference(SHORT, 8)
     finally:
-        _kill(p)
+        sigkill(p)
         p.stop()
     p = start_instance(model, "kv_producer", engine_id="restarted", side_channel_port=port)
     try:

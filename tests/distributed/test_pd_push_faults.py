@@ -9,9 +9,7 @@ sends them: at once, the prefill hop naming a transfer id and the decode hop nam
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,10 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.utils.faults import FaultPlan, rule
+from tests.utils.faults import FaultPlan, rule, without_faults
 from tests.utils.pd import greedy_body, start_instance
-from tests.utils.server import RemoteServer, descendants
-from tests.utils.tiny_models import hf_greedy
+from tests.utils.server import RemoteServer, sigkill
 
 # 70 s here: the default stage runs the same paths on the connector's real halves over both
 # transports (tests/unit/kv_connector/test_push_lifecycle.py).
@@ -115,16 +112,10 @@ def tokens(resp: httpx.Response) -> list[int]:
 
 
 def both(
-    pool: ThreadPoolExecutor, p: RemoteServer, d: RemoteServer, body: dict[str, Any]
+    background: ThreadPoolExecutor, p: RemoteServer, d: RemoteServer, body: dict[str, Any]
 ) -> tuple[Future[httpx.Response], Future[httpx.Response]]:
     prefill_hop, decode_hop = hops(p, body)
-    return pool.submit(post, p, prefill_hop), pool.submit(post, d, decode_hop)
-
-
-def kill(server: RemoteServer) -> None:
-    for pid in [server.proc.pid, *descendants(server.proc.pid)]:
-        os.kill(pid, signal.SIGKILL)
-    server.proc.wait()
+    return background.submit(post, p, prefill_hop), background.submit(post, d, decode_hop)
 
 
 @pytest.fixture(scope="module")
@@ -140,42 +131,15 @@ def pair(
 
 @pytest.fixture
 def faults(pair: Pair) -> Iterator[Pair]:
-    """The pair with no faults planned; after the test, no faults and both pools full."""
-    pair.p_plan.set()
-    pair.d_plan.set()
-    yield pair
-    pair.p_plan.set()
-    pair.d_plan.set()
-    pair.d.wait_pool_full()
-    pair.p.wait_pool_full()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model: Callable[[str], str]) -> Callable[[list[int], int], list[int]]:
-    model = Path(tiny_model("llama"))
-    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in cache:
-            (cache[key],) = hf_greedy(model, [prompt], max_tokens)
-        return cache[key]
-
-    return greedy
-
-
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(4) as pool:
-        yield pool
+    yield from without_faults(pair)
 
 
 def test_both_hops_at_once_give_hf_tokens(
-    faults: Pair, reference: Callable[[list[int], int], list[int]], pool: ThreadPoolExecutor
+    faults: Pair, reference: Callable[[list[int], int], list[int]], background: ThreadPoolExecutor
 ) -> None:
     pushes = faults.p.metric("kv_pushes_total")
     prompt = fresh(195)
-    prefill_done, decode_done = both(pool, faults.p, faults.d, faults.body(prompt))
+    prefill_done, decode_done = both(background, faults.p, faults.d, faults.body(prompt))
     assert tokens(decode_done.result()) == reference(prompt, 8)
     assert prefill_done.result().status_code == 200
     faults.p.wait_pool_full()
@@ -193,13 +157,13 @@ def test_a_registration_that_never_comes_frees_by_the_lease(faults: Pair) -> Non
     assert p.metric("kv_expired_leases_total") == expired + 1
 
 
-def test_a_failed_write_ends_both_sides(faults: Pair, pool: ThreadPoolExecutor) -> None:
+def test_a_failed_write_ends_both_sides(faults: Pair, background: ThreadPoolExecutor) -> None:
     """pd_lessons 22: a WRITE that fails at its post is a terminal state on both sides, not a
     decode side counting notifications forever: the client hears, both pools are full."""
     p, d = faults.p, faults.d
     failed = d.metric("kv_failed_transfers_total")
     faults.p_plan.set(rule("fail", "read", "fail", op="WRITE"))
-    prefill_done, decode_done = both(pool, p, d, faults.body(fresh(195)))
+    prefill_done, decode_done = both(background, p, d, faults.body(fresh(195)))
     resp = decode_done.result()
     assert resp.status_code == 500, resp.text
     assert "the KV write failed in the transport" in resp.json()["error"]["message"]
@@ -210,7 +174,7 @@ def test_a_failed_write_ends_both_sides(faults: Pair, pool: ThreadPoolExecutor) 
 
 
 def test_decode_abort_while_the_write_is_held_frees_both(
-    faults: Pair, pool: ThreadPoolExecutor
+    faults: Pair, background: ThreadPoolExecutor
 ) -> None:
     """pd_lessons 24: the client leaves while the prefill side's WRITE into its blocks is held
     open: the decode side keeps those blocks until the prefill side said it stopped; then both
@@ -220,7 +184,7 @@ def test_decode_abort_while_the_write_is_held_frees_both(
     aborts = d.metric("request_success_total", finished_reason="abort")
     faults.p_plan.set(rule("hold", "read", "delay", op="WRITE"))
     prefill_hop, decode_hop = hops(p, faults.body(fresh(195), 500))
-    decode_done = pool.submit(
+    decode_done = background.submit(
         httpx.post, f"{d.url}/v1/completions", json=decode_hop, timeout=httpx.Timeout(2.0)
     )
     assert post(p, prefill_hop).status_code == 200
@@ -240,7 +204,7 @@ def test_decode_abort_while_the_write_is_held_frees_both(
 
 
 def test_decode_rejects_before_admission_prefill_frees_at_once(
-    faults: Pair, pool: ThreadPoolExecutor
+    faults: Pair, background: ThreadPoolExecutor
 ) -> None:
     """pd_lessons 2: a decode hop refused at validation tells the prefill side that nothing is
     needed: its blocks free when the prompt is done, not by the lease."""
@@ -255,7 +219,7 @@ def test_decode_rejects_before_admission_prefill_frees_at_once(
 
 
 def test_decode_requests_queued_past_the_lease_keep_the_prefill_blocks(
-    faults: Pair, reference: Callable[[list[int], int], list[int]], pool: ThreadPoolExecutor
+    faults: Pair, reference: Callable[[list[int], int], list[int]], background: ThreadPoolExecutor
 ) -> None:
     """pd_lessons 3 and 22: a decode request queued for admission longer than the prefill
     side's lease (the first one's write is held, its blocks fill the pool) heart-beats from its
@@ -271,10 +235,10 @@ def test_decode_requests_queued_past_the_lease_keep_the_prefill_blocks(
         rule("hold", "read", "delay", op="WRITE", count=0),
         rule("beat", "recv_notif", "pass", contains=second_id, count=0),
     )
-    done_first = pool.submit(post, d, first_d)
+    done_first = background.submit(post, d, first_d)
     assert post(p, first_p).status_code == 200
     faults.p_plan.wait_fired("hold")
-    done_second = pool.submit(post, d, second_d)
+    done_second = background.submit(post, d, second_d)
     assert post(p, second_p).status_code == 200
     faults.p_plan.wait_fired("beat", 8)  # heartbeats over more than a lease
     assert p.metric("kv_expired_leases_total") == expired
@@ -285,7 +249,7 @@ def test_decode_requests_queued_past_the_lease_keep_the_prefill_blocks(
 
 
 def test_prefill_killed_while_writing_fires_the_watchdog(
-    faults: Pair, pool: ThreadPoolExecutor
+    faults: Pair, background: ThreadPoolExecutor
 ) -> None:
     """The prefill instance is SIGKILLed while its WRITE is held: its PushAlive stops, the
     decode side's watchdog ends the request within a lease, and the decode side serves on."""
@@ -294,9 +258,9 @@ def test_prefill_killed_while_writing_fires_the_watchdog(
     p = push_prefill(model, env=plan.env)
     try:
         plan.set(rule("hold", "read", "delay", op="WRITE"))
-        prefill_done, decode_done = both(pool, p, d, faults.body(fresh(195)))
+        prefill_done, decode_done = both(background, p, d, faults.body(fresh(195)))
         plan.wait_fired("hold")
-        kill(p)
+        sigkill(p)
         resp = decode_done.result()
         assert resp.status_code == 500, resp.text
         assert "sent no word" in resp.json()["error"]["message"]
@@ -307,7 +271,7 @@ def test_prefill_killed_while_writing_fires_the_watchdog(
 
 
 def test_decode_killed_after_registering_frees_the_prefill_side(
-    faults: Pair, pool: ThreadPoolExecutor
+    faults: Pair, background: ThreadPoolExecutor
 ) -> None:
     """The decode instance is SIGKILLed once its registration arrived, the WRITE held: the
     WRITE fails against the dead peer and the prefill side frees, within its transfer timeout,
@@ -318,10 +282,10 @@ def test_decode_killed_after_registering_frees_the_prefill_side(
     try:
         faults.p_plan.set(rule("hold", "read", "delay", op="WRITE"))
         prefill_hop, decode_hop = hops(p, faults.body(fresh(195)))
-        pool.submit(post, d, decode_hop)
+        background.submit(post, d, decode_hop)
         assert post(p, prefill_hop).status_code == 200
         faults.p_plan.wait_fired("hold")
-        kill(d)
+        sigkill(d)
         faults.p_plan.release("hold")
         p.wait_pool_full(timeout=60)
     finally:

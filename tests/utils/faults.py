@@ -11,8 +11,35 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+
+class _Server(Protocol):
+    def wait_pool_full(self, timeout: float = ...) -> None: ...
+
+
+class _Pair(Protocol):
+    p: _Server
+    d: _Server
+    p_plan: FaultPlan
+    d_plan: FaultPlan
+
+
+PairT = TypeVar("PairT", bound=_Pair)
+
+
+def without_faults(pair: PairT) -> Iterator[PairT]:
+    """A fixture's body: the pair with no faults planned; after the test, no faults and both
+    pools full."""
+    pair.p_plan.set()
+    pair.d_plan.set()
+    yield pair
+    pair.p_plan.set()
+    pair.d_plan.set()
+    pair.d.wait_pool_full()
+    pair.p.wait_pool_full()
 
 
 def rule(name: str, at: str, action: str, **fields: Any) -> dict[str, Any]:

@@ -19,6 +19,13 @@ _REPO = Path(__file__).resolve().parents[2]
 _BIND_ATTEMPTS = 3
 
 
+def sigkill(server: RemoteServer) -> None:
+    """SIGKILL a server and every process below it, as a crash would."""
+    for pid in [server.proc.pid, *descendants(server.proc.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    server.proc.wait()
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (read from /proc, Linux)."""
     children: dict[int, list[int]] = {}

@@ -399,20 +399,24 @@ class NixlConnectorScheduler:
         else:
             self.board.clear(req_id)
         stamp = self.board.held.get(req_id)
-        return staging_ids is None and len(block_ids) > 0, KVTransferParams(
+        params = self._reader_params(request, request.request_id)
+        params.remote_block_ids = list(remote_ids)
+        if stamp is not None:
+            params.remote_lease = RemoteLease(stamp.slot, stamp.tag, self.lease_duration)
+        return staging_ids is None and len(block_ids) > 0, params
+
+    def _reader_params(self, request: Request, remote_request_id: str) -> KVTransferParams:
+        """What a decode instance needs to load a finished request's KV from here."""
+        return KVTransferParams(
             do_remote_prefill=True,
-            remote_block_ids=list(remote_ids),
             remote_engine_id=self.engine_id,
-            remote_request_id=request.request_id,
+            remote_request_id=remote_request_id,
             remote_host=self.side_channel_host,
             remote_port=self.server.port if self.server else self.side_channel_port,
             tp_size=self.tp_size,
             remote_num_tokens=request.num_computed_tokens,
             remote_cached_tokens=max(request.num_cached_tokens, 0),
             remote_epoch=self.epoch,
-            remote_lease=None
-            if stamp is None
-            else RemoteLease(stamp.slot, stamp.tag, self.lease_duration),
             first_token_id=_first_token(request),
         )
 
@@ -432,20 +436,9 @@ class NixlConnectorScheduler:
             return False, None
         self._reqs_need_send[req_id] = time.time() + self.lease_duration
         self._sending.add(req_id)
-        # What a decode instance needs to register for it (the sequential path, after this
-        # answer: what the proxy does when it cannot send both legs at once).
-        return True, KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=self.engine_id,
-            remote_request_id=transfer_id,
-            remote_host=self.side_channel_host,
-            remote_port=self.server.port if self.server else self.side_channel_port,
-            tp_size=self.tp_size,
-            remote_num_tokens=request.num_computed_tokens,
-            remote_cached_tokens=max(request.num_cached_tokens, 0),
-            remote_epoch=self.epoch,
-            first_token_id=_first_token(request),
-        )
+        # A decode instance registers with these after this answer (the sequential path: what
+        # the proxy takes when it cannot send both hops at once).
+        return True, self._reader_params(request, transfer_id)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         sent = output.finished_sending or set()
