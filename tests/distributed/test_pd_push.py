@@ -22,8 +22,10 @@ PROMPTS = [[7, 8, 9], list(range(10, 42)), [(i * 37) % 400 + 5 for i in range(75
 PUSH = "NixlPushConnector"
 
 CASES = [
-    # (transport, prefill instances, decode instances, prefill TP, decode TP)
-    pytest.param("nixl", 1, 1, 1, 1, id="nixl-1to1"),
+    # (transport, prefill instances, decode instances, prefill TP, decode TP). Slow as the rest
+    # (30 s and more each): the default stage runs push mode on the connector's real halves over
+    # both transports (tests/unit/kv_connector/test_push_lifecycle.py).
+    pytest.param("nixl", 1, 1, 1, 1, id="nixl-1to1", marks=pytest.mark.slow),
     pytest.param("ucx", 1, 1, 1, 1, id="ucx-1to1", marks=pytest.mark.slow),
     pytest.param("nixl", 1, 2, 1, 1, id="nixl-1to2", marks=pytest.mark.slow),
     pytest.param("ucx", 2, 1, 1, 1, id="ucx-2to1", marks=pytest.mark.slow),
