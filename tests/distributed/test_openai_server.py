@@ -365,6 +365,9 @@ BAD_REQUESTS = [
     ("max_tokens=0", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("temperature=-1", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("n=0", {"prompt": "hi", "n": 0}, "n"),
+    # vLLM refuses an empty stop string too; the schema says so (minLength 1), which fuzzing
+    # the proxy found it did not.
+    ("empty stop string", {"prompt": "hi", "stop": ""}, "stop"),
     ("prompt too long", {"prompt": [5] * MAX_MODEL_LEN}, "prompt"),
     ("prompt + max_tokens too long", {"prompt": [5] * 1000, "max_tokens": 100}, "max_tokens"),
     ("token id out of vocab", {"prompt": [10**7]}, "prompt"),

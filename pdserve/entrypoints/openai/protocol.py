@@ -126,7 +126,7 @@ class _SamplingRequest(BaseModel):
     min_p: float | None = Field(default=None, ge=0, le=1)
     # The largest double below 2**63 is the top: a JSON number past it would not be an int64.
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1024), INTEGRAL] | None = None
-    stop: str | list[NonEmptyStr] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stop_token_ids: list[TokenId] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
