@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -67,8 +68,10 @@ class PushSender:
         kv_cache: torch.Tensor,
         leases: LeaseHolder,
         lease_duration: float,
+        count: Callable[[str, float], None],
     ) -> None:
         self.transport = transport
+        self.count = count  # the worker's counters
         self.block_len = kv_cache[0].nbytes
         self.block_size = kv_cache.shape[3]
         self.is_cuda = kv_cache.is_cuda
@@ -80,7 +83,6 @@ class PushSender:
         self._arrived: dict[str, float] = {}  # transfer id -> its first registration
         self._gone: dict[str, tuple[float, str]] = {}  # transfer id -> (when, why) it ended
         self._last_alive = 0.0
-        self.stats: dict[str, float] = {}
 
     # ---- from the scheduler ------------------------------------------------------------------
 
@@ -169,9 +171,7 @@ class PushSender:
                 regs.remove(reg)
                 ok = reg.failure is None
                 _send(self.transport, reg.agent, Pushed(reg.msg.request_id, ok, reg.failure or ""))
-                self.stats["pushes" if ok else "failed_pushes"] = (
-                    self.stats.get("pushes" if ok else "failed_pushes", 0.0) + 1
-                )
+                self.count("pushes" if ok else "failed_pushes", 1.0)
                 if prompt is not None:
                     done = Notif("done", [prompt.request_id], reg.msg.num_registrants)
                     self.leases.notify(done)
@@ -229,9 +229,7 @@ class PushSender:
             reg.failure = f"the KV write from the prefill instance failed to start: {e}"
             return
         reg.num_written = ready
-        self.stats["transfer_bytes"] = self.stats.get("transfer_bytes", 0.0) + len(src) * (
-            self.block_len
-        )
+        self.count("transfer_bytes", float(len(src) * self.block_len))
 
     def _poll(self, reg: _Registration) -> None:
         for handle in list(reg.handles):
@@ -261,14 +259,20 @@ class _Awaited:
 class PushReceiver:
     """Decode side, one worker rank: registrations sent, and the pushes they wait for."""
 
-    def __init__(self, transport: Transport, topology: Topology, lease_duration: float) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        topology: Topology,
+        lease_duration: float,
+        count: Callable[[str, float], None],
+    ) -> None:
         self.transport = transport
+        self.count = count  # the worker's counters
         self.topology = topology
         self.lease_duration = lease_duration
         self._awaited: dict[str, _Awaited] = {}
         self.done: set[str] = set()
         self.failed: dict[str, tuple[list[int], str]] = {}  # request -> (its blocks, why)
-        self.stats: dict[str, float] = {}
 
     def register(self, req_id: str, meta: RecvReqMeta, engine: RemoteEngine, report: bool) -> None:
         """Ask every prefill rank the request reads from to push its blocks (none: tell them
@@ -363,7 +367,7 @@ class PushReceiver:
                 self.lease_duration,
             )
             self.cancel([req_id])
-            self.stats["push_watchdogs"] = self.stats.get("push_watchdogs", 0.0) + 1
+            self.count("push_watchdogs", 1.0)
             awaited.failure = (
                 f"prefill engine {awaited.meta.remote_engine_id} sent no word of this request's "
                 f"KV for {self.lease_duration:.0f} s"
@@ -382,7 +386,7 @@ class PushReceiver:
             ("transfer_seconds", time.perf_counter() - awaited.start),
             ("transfer_bytes", float(awaited.num_bytes)),
         ):
-            self.stats[name] = self.stats.get(name, 0.0) + value
+            self.count(name, value)
 
     def has_work(self) -> bool:
         return bool(self._awaited)

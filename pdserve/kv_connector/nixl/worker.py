@@ -173,8 +173,12 @@ class NixlConnectorWorker:
             kv_cache, self.tp_rank, self.tp_size, self.transport, region.device
         )
         if self.push:
-            self.sender = PushSender(self.transport, kv_cache, self.leases, self.lease_duration)
-            self.receiver = PushReceiver(self.transport, self.topology, self.lease_duration)
+            self.sender = PushSender(
+                self.transport, kv_cache, self.leases, self.lease_duration, self._count
+            )
+            self.receiver = PushReceiver(
+                self.transport, self.topology, self.lease_duration, self._count
+            )
 
     def get_handshake_metadata(self) -> bytes:
         assert self.region is not None and self.compat_hash is not None
@@ -454,10 +458,6 @@ class NixlConnectorWorker:
         for req_id, (block_ids, why) in receiver.failed.items():
             self._fail(req_id, block_ids, "failed_transfers", why)
         receiver.failed = {}
-        for part in (receiver.stats, self.sender.stats if self.sender else {}):
-            for name, value in part.items():
-                self._count(name, value)
-            part.clear()
 
     def _finish_handshakes(self) -> None:
         for engine_id, future in list(self._handshakes.items()):
