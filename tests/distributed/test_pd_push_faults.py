@@ -280,6 +280,8 @@ def test_decode_killed_after_registering_frees_the_prefill_side(
     plan = FaultPlan(faults.d_plan.folder.parent / "killed-decode")
     d = start_instance(model, "kv_consumer", env=plan.env, connector=PUSH)
     try:
+        expired = p.metric("kv_expired_leases_total")
+        failed = p.metric("kv_failed_pushes_total")
         faults.p_plan.set(rule("hold", "read", "delay", op="WRITE"))
         prefill_hop, decode_hop = hops(p, faults.body(fresh(195)))
         background.submit(post, d, decode_hop)
@@ -288,5 +290,8 @@ def test_decode_killed_after_registering_frees_the_prefill_side(
         sigkill(d)
         faults.p_plan.release("hold")
         p.wait_pool_full(timeout=60)
+        # Freed by the failed WRITE's Pushed, not by the lease (the WRITE in flight renewed it).
+        assert p.metric("kv_failed_pushes_total") == failed + 1
+        assert p.metric("kv_expired_leases_total") == expired
     finally:
         d.stop()
