@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import threading
@@ -17,8 +18,37 @@ _EXIT_GRACE_S = 5.0
 READY, FAILED = "READY", "FAILED"
 
 
+# Ports handed out for servers that bind later: above Ray's worker ports (10002-19999 by
+# default) and outside the OS's ephemeral range (read below).
+_SERVER_PORTS = range(20000, 65536)
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_PORT_TRIES = 64
+
+
+def _server_ports() -> list[int]:
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        return []
+    return [p for p in _SERVER_PORTS if not low <= p <= high]
+
+
 def get_open_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it)."""
+    """A port that was free a moment ago, outside the OS's ephemeral range where it can.
+
+    A server binds its port only after loading its model: for seconds, any outgoing connection
+    (Ray opens many) or listener bound to port 0 may take a port the OS picks from that range.
+    A random port below it is taken only by another caller of this function picking it too.
+    """
+    ports = _server_ports()
+    for port in random.SystemRandom().sample(ports, min(_PORT_TRIES, len(ports))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -56,6 +56,11 @@ _SHUTDOWN_WAIT_S = 10.0
 _CARRIED_ENV_PREFIXES = ("PDSERVE_", "TRITON_INTERPRET")
 
 
+def carried_env() -> dict[str, str]:
+    """This process's variables that must hold in what it starts through Ray."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_CARRIED_ENV_PREFIXES)}
+
+
 @dataclass
 class RayWorkerHandle:
     rank: int
@@ -133,7 +138,7 @@ class RayExecutor(Executor):
 
     def _start_workers(self) -> None:
         gpu = self._device_resource == "GPU"
-        env = {k: v for k, v in os.environ.items() if k.startswith(_CARRIED_ENV_PREFIXES)}
+        env = carried_env()
         for index in self._bundle_indices():
             self._actors.append(
                 RayWorker.options(
