@@ -25,7 +25,7 @@ import uuid
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -113,8 +113,9 @@ class RayInstances:
     """The instances of one launch, each on the node Ray placed its placement group on."""
 
     def __init__(self, address: str | None) -> None:
-        self.groups: list[PlacementGroup] = []
-        self.actors: list[ActorHandle] = []
+        # (name, its placement group, its actor), in the order they were placed.
+        self.placing: list[tuple[str, PlacementGroup, ActorHandle]] = []
+        self.placed: list[ActorHandle] = []
         # RAY_ADDRESS, or the cluster `ray start` runs on this node, or else a local Ray.
         try:
             ray.init(address=address, include_dashboard=False)
@@ -125,7 +126,7 @@ class RayInstances:
         launch_id = uuid.uuid4().hex[:8]
         gpus = ray.cluster_resources().get("GPU", 0) >= 1
         env = {"PDSERVE_CPU_THREADS": str(args.ray_cpus_per_rank), **carried_env()}
-        named: list[tuple[str, str, ActorHandle]] = []
+        roles_of: dict[str, str] = {}
         # Ray places groups in the order they were made: the largest first, so that a small
         # instance does not take the node a large one needs.
         for role, count, tp in sorted(roles(args), key=lambda r: -r[2]):
@@ -134,32 +135,38 @@ class RayInstances:
                 bundle["GPU"] = float(tp)
             for i in range(count):
                 name = f"{role}-{i}"
+                roles_of[name] = role
                 group = ray.util.placement_group([bundle], name=f"pdserve-{launch_id}-{name}")
-                self.groups.append(group)
                 actor = InstanceActor.options(
                     num_cpus=bundle["CPU"],
                     num_gpus=bundle.get("GPU", 0),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
                 ).remote(serve_args(args, role, tp, instance_args), env)
-                self.actors.append(actor)
-                named.append((role, name, actor))
+                self.placing.append((name, group, actor))
         self._wait_placed(args.startup_timeout)
-        places = ray.get([actor.where.remote() for _, _, actor in named])
+        try:
+            places = ray.get([actor.where.remote() for actor in self.placed])
+        except RayError as e:
+            raise RuntimeError(f"an instance failed to start on its node: {e}") from None
         instances: dict[str, list[Part]] = {"prefill": [], "decode": []}
-        for (role, name, actor), (url, node_id) in zip(named, places, strict=True):
-            instances[role].append(RayInstance(name, actor, url, node_id))
+        for (name, _, actor), (url, node_id) in zip(self.placing, places, strict=True):
+            instances[roles_of[name]].append(RayInstance(name, actor, url, node_id))
             print(f"pdserve launch: {name} at {url} on Ray node {node_id}", flush=True)
         return instances
 
     def _wait_placed(self, timeout_s: float) -> None:
-        ready = [group.ready() for group in self.groups]
+        ready = [group.ready() for _, group, _ in self.placing]
         done, _ = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
-        if len(done) < len(ready):
-            waiting = [g.bundle_specs[0] for g, r in zip(self.groups, ready) if r not in done]
+        self.placed = [actor for (_, _, actor), r in zip(self.placing, ready) if r in done]
+        if unplaced := [
+            f"{name} needs a node with {group.bundle_specs[0]}"
+            for (name, group, _), r in zip(self.placing, ready)
+            if r not in done
+        ]:
             raise RuntimeError(
-                f"Ray could not place {len(waiting)} of {len(ready)} instances within "
-                f"{timeout_s:.0f} s (each needs one node with {waiting[0]}); "
-                f"available: {ray.available_resources()}"
+                f"Ray could not place {len(unplaced)} of {len(ready)} instances within "
+                f"{timeout_s:.0f} s ({'; '.join(unplaced)}); available: "
+                f"{ray.available_resources()}"
             )
 
     def started(self) -> None:
@@ -168,10 +175,10 @@ class RayInstances:
     def stop(self) -> None:
         if not ray.is_initialized():
             return
-        if stops := [actor.stop.remote() for actor in self.actors]:
+        # An actor whose group was never placed never started: it has nothing to stop.
+        if stops := [actor.stop.remote() for actor in self.placed]:
             ray.wait(stops, num_returns=len(stops), timeout=STOP_GRACE_S + 5)
-        for actor in self.actors:
+        for _, group, actor in self.placing:
             ray.kill(actor)
-        for group in self.groups:
             ray.util.remove_placement_group(group)
         ray.shutdown()

@@ -200,3 +200,15 @@ def test_push_mode_on_ray_and_ctrl_c_stops_everything(
         assert proxy.proc.wait(120) == 0
         assert wait_until_gone(serve, 60) == []
         assert _placement() == {}
+
+
+def test_an_instance_no_node_can_hold_is_refused_naming_what_it_needs(
+    cluster: Any, tiny_model: Callable[[str], str]
+) -> None:
+    """TP=4 needs a node with 4 CPUs; the largest has 2."""
+    with pytest.raises(RuntimeError) as failed:
+        _launch(cluster, tiny_model("llama"), "--prefill-tp", "4", "--startup-timeout", "5")
+    message = str(failed.value)
+    assert "Ray could not place 1 of 2 instances within 5 s" in message
+    assert "prefill-0 needs a node with {'CPU': 4.0}" in message
+    assert _placement() == {}
