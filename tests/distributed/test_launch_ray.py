@@ -14,11 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
+from tests.utils.pd import complete_all, hf_reference
 from tests.utils.procs import wait_until_gone
 from tests.utils.server import MetricsReader, RemoteServer
-from tests.utils.tiny_models import hf_greedy
 
 pytestmark = [
     pytest.mark.slow,
@@ -100,27 +99,12 @@ def _serve_pids(model: str) -> list[int]:
 
 
 def _complete(proxy: RemoteServer, model: str) -> list[list[int]]:
-    async def run() -> list[Any]:
-        client = proxy.async_client(timeout=300)
-        return await asyncio.gather(
-            *[
-                client.completions.create(
-                    model=model,
-                    prompt=p,
-                    max_tokens=MAX_TOKENS,
-                    temperature=0,
-                    extra_body={"ignore_eos": True},
-                )
-                for p in PROMPTS
-            ]
-        )
-
-    return [r.choices[0].model_extra["token_ids"] for r in asyncio.run(run())]
+    results = asyncio.run(complete_all(proxy, model, PROMPTS, MAX_TOKENS))
+    return [r.choices[0].model_extra["token_ids"] for r in results]
 
 
 def _reference(model: str) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    return hf_greedy(Path(model), [tokenizer.encode(p) for p in PROMPTS], MAX_TOKENS)
+    return hf_reference(model, PROMPTS, MAX_TOKENS)
 
 
 def _health(proxy: RemoteServer) -> dict[str, list[dict[str, Any]]]:

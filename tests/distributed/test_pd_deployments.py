@@ -15,7 +15,14 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.utils.pd import instances, split_request, start_instance, wait_all_pools_full
+from tests.utils.pd import (
+    complete_all,
+    hf_reference,
+    instances,
+    split_request,
+    start_instance,
+    wait_all_pools_full,
+)
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
 
@@ -25,27 +32,7 @@ PROMPTS = [f"request {i}: " + " ".join(["tok"] * (i * 5)) for i in range(16)]
 
 
 def _reference(model: str, max_tokens: int) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    return hf_greedy(Path(model), [tokenizer.encode(p) for p in PROMPTS], max_tokens)
-
-
-async def _complete_all(
-    proxy: RemoteServer, model: str, prompts: list[str], max_tokens: int
-) -> list[object]:
-    client = proxy.async_client(timeout=300)
-    return await asyncio.gather(
-        *[
-            client.completions.create(
-                model=model,
-                prompt=p,
-                max_tokens=max_tokens,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
-            for p in prompts
-        ],
-        return_exceptions=True,
-    )
+    return hf_reference(model, PROMPTS, max_tokens)
 
 
 def test_two_prefill_two_decode_with_decode_tp2(tiny_model: Callable[[str], str]) -> None:
@@ -68,7 +55,7 @@ def test_two_prefill_two_decode_with_decode_tp2(tiny_model: Callable[[str], str]
         ],
         startup_timeout=600,
     ) as proxy:
-        results = asyncio.run(_complete_all(proxy, model, PROMPTS, 8))
+        results = asyncio.run(complete_all(proxy, model, PROMPTS, 8, return_exceptions=True))
         assert [r.choices[0].model_extra["token_ids"] for r in results] == _reference(model, 8)
         served = {
             role: [s.metric("kv_cache_total_blocks") for s in servers]
@@ -96,7 +83,7 @@ def test_300_concurrent_requests(tiny_model: Callable[[str], str]) -> None:
     # Short prompts through the split too (the proxy would let decode prefill them).
     launch = ["launch", "--model", model, "--dtype", "float32", "--pd-min-uncached-tokens", "0"]
     with RemoteServer(launch) as proxy:
-        results = asyncio.run(_complete_all(proxy, model, prompts, 6))
+        results = asyncio.run(complete_all(proxy, model, prompts, 6, return_exceptions=True))
         errors = [r for r in results if isinstance(r, BaseException)]
         assert not errors, errors[:3]
         outputs = [r.choices[0].model_extra["token_ids"] for r in results]

@@ -12,11 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.utils.pd import instances, prefill, wait_all_pools_full
+from tests.utils.pd import complete_all, hf_reference, instances, prefill, wait_all_pools_full
 from tests.utils.procs import wait_until_gone
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
@@ -38,25 +37,8 @@ def test_completions_through_proxy_match_reference(
 ) -> None:
     model = tiny_model("llama")
     client = deployment.client()
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    reference = hf_greedy(Path(model), [tokenizer.encode(p) for p in PROMPTS], MAX_TOKENS)
-
-    async def run() -> list[openai.types.Completion]:
-        aclient = deployment.async_client()
-        return await asyncio.gather(
-            *[
-                aclient.completions.create(
-                    model=model,
-                    prompt=p,
-                    max_tokens=MAX_TOKENS,
-                    temperature=0,
-                    extra_body={"ignore_eos": True},
-                )
-                for p in PROMPTS
-            ]
-        )
-
-    results = asyncio.run(run())
+    reference = hf_reference(model, PROMPTS, MAX_TOKENS)
+    results = asyncio.run(complete_all(deployment, model, PROMPTS, MAX_TOKENS))
     assert [r.choices[0].model_extra["token_ids"] for r in results] == reference
     for prompt, full in zip(PROMPTS, results):
         chunks = client.completions.create(

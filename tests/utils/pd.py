@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
+from transformers import AutoTokenizer
 
 from pdserve.utils import get_open_port
 from tests.utils.server import MetricsReader, RemoteServer
+from tests.utils.tiny_models import hf_greedy
 
 
 def kv_transfer_config(
@@ -148,3 +152,33 @@ def split_proxy(
     decodes = decode if isinstance(decode, list) else [decode]
     args = ["proxy", "--prefill", *map(address, prefills), "--decode", *map(address, decodes)]
     return RemoteServer([*args, "--pd-min-uncached-tokens", "0", *flags])
+
+
+async def complete_all(
+    server: RemoteServer,
+    model: str,
+    prompts: list[str],
+    max_tokens: int,
+    return_exceptions: bool = False,
+) -> list[Any]:
+    """Every prompt at once through `server`'s OpenAI API: max_tokens greedy tokens each."""
+    client = server.async_client(timeout=300)
+    return await asyncio.gather(
+        *[
+            client.completions.create(
+                model=model,
+                prompt=p,
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            for p in prompts
+        ],
+        return_exceptions=return_exceptions,
+    )
+
+
+def hf_reference(model: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy tokens for each text prompt."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return hf_greedy(Path(model), [tokenizer.encode(p) for p in prompts], max_tokens)
