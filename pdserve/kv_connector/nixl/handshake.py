@@ -37,6 +37,16 @@ class HandshakeError(RuntimeError):
         self.reason = reason
 
 
+def client_reason(e: Exception) -> str:
+    """A failure as a client may be told it: handshake and layout errors say what differs and
+    name no address; a transport's own error (which may) only by its type."""
+    if isinstance(e, HandshakeError):
+        return e.reason
+    if isinstance(e, ValueError):
+        return str(e)
+    return f"{type(e).__name__} in the transport (this instance's log has the details)"
+
+
 class HandshakeServer:
     def __init__(self, host: str, port: int, payloads: dict[int, bytes]) -> None:
         self.payloads = payloads

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -12,6 +13,10 @@ from pdserve.kv_connector.transport.base import MemoryKind
 
 if TYPE_CHECKING:
     import torch
+
+    from pdserve.kv_connector.transport.base import Transport
+
+logger = logging.getLogger(__name__)
 
 # Bumped whenever a message below or the KV layout changes meaning.
 NIXL_CONNECTOR_VERSION = 4
@@ -178,6 +183,17 @@ class PushAlive(msgspec.Struct, tag="alive", array_like=True):
 
 
 PeerMessage = Notif | PushRegistration | Pushed | PushAlive
+
+
+def send(transport: Transport, agent: str, msg: msgspec.Struct) -> bool:
+    """A message to a peer agent; False (logged) if it could not go: a peer that vanished is
+    left to the watchdogs and leases."""
+    try:
+        transport.send_notif(agent, msgspec.msgpack.encode(msg))
+        return True
+    except Exception as e:
+        logger.warning("Message to %s failed: %s", agent, e)
+        return False
 
 
 def compatibility_factors(

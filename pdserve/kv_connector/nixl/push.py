@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
 from pdserve.kv_connector.nixl.lease import LeaseHolder
@@ -28,20 +27,12 @@ from pdserve.kv_connector.nixl.metadata import (
     PushRegistration,
     PushReqMeta,
     RecvReqMeta,
+    send,
 )
 from pdserve.kv_connector.nixl.topology import RemoteEngine, Topology
 from pdserve.kv_connector.transport.base import Transport, XferState, block_descs
 
 logger = logging.getLogger(__name__)
-
-
-def _send(transport: Transport, agent: str, msg: msgspec.Struct) -> bool:
-    try:
-        transport.send_notif(agent, msgspec.msgpack.encode(msg))
-        return True
-    except Exception as e:  # a peer that vanished: the watchdogs and leases take over
-        logger.warning("Push message to %s failed: %s", agent, e)
-        return False
 
 
 @dataclass
@@ -170,7 +161,7 @@ class PushSender:
             for reg in [r for r in regs if not r.handles and self._settled(r, prompt)]:
                 regs.remove(reg)
                 ok = reg.failure is None
-                _send(self.transport, reg.agent, Pushed(reg.msg.request_id, ok, reg.failure or ""))
+                send(self.transport, reg.agent, Pushed(reg.msg.request_id, ok, reg.failure or ""))
                 self.count("pushes" if ok else "failed_pushes", 1.0)
                 if prompt is not None:
                     done = Notif("done", [prompt.request_id], reg.msg.num_registrants)
@@ -185,7 +176,7 @@ class PushSender:
         if alive and now - self._last_alive >= self.lease_duration / 6:
             self._last_alive = now
             for agent, request_ids in alive.items():
-                _send(self.transport, agent, PushAlive(request_ids))
+                send(self.transport, agent, PushAlive(request_ids))
         for transfer_id in [t for t, (when, _) in self._gone.items() if now - when > 60.0]:
             del self._gone[transfer_id]
 
@@ -299,7 +290,7 @@ class PushReceiver:
                 remote_meta.block_len,
                 num_registrants,
             )
-            _send(self.transport, agent, msg)
+            send(self.transport, agent, msg)
             total += len(targets) * remote_meta.block_len
         if not local:
             if report:
@@ -335,7 +326,7 @@ class PushReceiver:
                         1,
                         cancel=True,
                     )
-                    _send(self.transport, agent, msg)
+                    send(self.transport, agent, msg)
 
     def pushed(self, sender: str, msg: Pushed) -> None:
         awaited = self._awaited.get(msg.request_id)

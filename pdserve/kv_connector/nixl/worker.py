@@ -1,18 +1,15 @@
-"""The NixlConnector's worker role: handshake, READ the prefill side's blocks, hold leases.
+"""The NixlConnector's worker role: handshakes, the request's KV moved, leases held.
 
 Decode side: a request to load is parked until its prefill engine is known (a handshake in a
-background thread), then READ block runs straight into the KV cache (equal TP) or into a staging
-area from which this rank's heads are copied (heterogeneous TP). The prefill side is told by the
-transport's notification when the bytes have left. Prefill side: finished requests hold their
-blocks under a lease (lease.py). Nothing here raises out of a step: a failure ends the one
-request (its blocks reported invalid) and is counted.
+background thread), then its blocks are READ (reader.py) or, in push mode (NixlPushConnector),
+registered for the prefill side to WRITE (push.py). Prefill side: finished requests hold their
+blocks under a lease (lease.py) that peers' notifications and heartbeats renew and end. Nothing
+here raises out of a step: a failure ends the one request (its blocks reported invalid) and is
+counted.
 
 With host staging the transport registers a host buffer instead of the cache: the prefill side
 copies a request's blocks into it after the forward pass that completes its prompt, the decode
 side READs into it and copies into the cache before it reports the load done (staging.py).
-
-In push mode (NixlPushConnector) the decode side registers its blocks instead of reading them,
-and the prefill side writes them (push.py); handshakes, leases and heartbeats are the same.
 """
 
 from __future__ import annotations
@@ -20,14 +17,17 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import msgspec
 import torch
 
 from pdserve import envs
 from pdserve.config import EngineConfig
-from pdserve.kv_connector.nixl.handshake import HandshakeError, fetch_agent_metadata
+from pdserve.kv_connector.nixl.handshake import (
+    HandshakeError,
+    client_reason,
+    fetch_agent_metadata,
+)
 from pdserve.kv_connector.nixl.lease import LeaseHolder
 from pdserve.kv_connector.nixl.metadata import (
     AgentMetadata,
@@ -43,14 +43,13 @@ from pdserve.kv_connector.nixl.metadata import (
     SaveReqMeta,
     compatibility_factors,
     compatibility_hash,
+    send,
 )
 from pdserve.kv_connector.nixl.push import PushReceiver, PushSender
+from pdserve.kv_connector.nixl.reader import KVReader
 from pdserve.kv_connector.nixl.staging import HostBuffer
 from pdserve.kv_connector.nixl.topology import RemoteEngine, Topology
 from pdserve.kv_connector.transport.base import (
-    Desc,
-    XferState,
-    block_descs,
     make_transport,
     memory_kind,
 )
@@ -58,38 +57,6 @@ from pdserve.outputs import KVConnectorOutput
 from pdserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-# How long a decode worker waits for its lease check (8 bytes) before leaving it to the next
-# poll: the check costs one READ round trip, not one step.
-_CHECK_WAIT_S = 0.002
-
-
-def _why(e: Exception) -> str:
-    """A failure as a client may be told it: handshake and layout errors say what differs and
-    name no address; a transport's own error (which may) only by its type."""
-    if isinstance(e, HandshakeError):
-        return e.reason
-    if isinstance(e, ValueError):
-        return str(e)
-    return f"{type(e).__name__} in the transport (this instance's log has the details)"
-
-
-@dataclass
-class _Load:
-    """The reads of one request in flight (one per remote rank it reads from): its blocks, then,
-    where the prefill side keeps a lease board, the board slot of its lease (`checks`, which
-    carry the `done` notification)."""
-
-    meta: RecvReqMeta
-    local_block_ids: list[int]
-    handles: list[int]
-    remote_tp: int
-    start: float
-    num_bytes: int
-    num_descs: int
-    engine: RemoteEngine
-    done: bytes  # the encoded `done` notification
-    checks: list[tuple[int, torch.Tensor]] | None = None  # (handle, where the slot lands)
 
 
 class NixlConnectorWorker:
@@ -130,7 +97,6 @@ class NixlConnectorWorker:
         self._handshakes: dict[str, Future[RemoteEngine]] = {}
         self._engines: dict[str, RemoteEngine] = {}
         self._waiting: dict[str, RecvReqMeta] = {}  # for their engine's handshake
-        self._loads: dict[str, _Load] = {}
         self._done_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._load_errors: dict[str, str] = {}  # request id -> why its load failed
@@ -139,14 +105,13 @@ class NixlConnectorWorker:
         self._stats: dict[str, float] = {}
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.board_region = -1
-        # Decode side: where the board slots it reads land.
-        self._checks: dict[int, tuple[int, torch.Tensor]] = {}  # remote ranks -> region, tensor
         # Decode side: handshakes heartbeats asked for (engine -> when), requests that already
         # handshook again because their prefill instance's epoch had changed.
         self._prepared: dict[str, float] = {}
         self._rehandshaked: set[str] = set()
-        # Push mode: the two sides' state (set once the cache is registered). The requests of
-        # `_waiting` that decline (they ask for nothing and report nothing).
+        # Set once the cache is registered: the READ path, or push mode's two sides. The
+        # requests of `_waiting` that decline (they ask for nothing and report nothing).
+        self.reader: KVReader | None = None
         self.sender: PushSender | None = None
         self.receiver: PushReceiver | None = None
         self._declined: set[str] = set()
@@ -172,7 +137,9 @@ class NixlConnectorWorker:
         self.topology = Topology(
             kv_cache, self.tp_rank, self.tp_size, self.transport, region.device
         )
-        if self.push:
+        if not self.push:
+            self.reader = KVReader(self.transport, self.topology, self.host_buffer, self._count)
+        else:
             self.sender = PushSender(
                 self.transport, kv_cache, self.leases, self.lease_duration, self._count
             )
@@ -322,14 +289,15 @@ class NixlConnectorWorker:
                 if self.receiver is not None:
                     self.receiver.register(req_id, meta, engine, report)
                 else:
-                    self._read(req_id, meta, engine, report)
+                    assert self.reader is not None
+                    self.reader.read(req_id, meta, engine, report)
             except Exception as e:  # a bad descriptor, a vanished agent: this request only
                 logger.error("KV load of request %s failed to start: %s", req_id, e)
                 self._fail(
                     req_id,
                     meta.local_block_ids,
                     "failed_transfers",
-                    f"the KV read from prefill engine {engine_id} failed to start: {_why(e)}",
+                    f"the KV read from prefill engine {engine_id} failed to start: {client_reason(e)}",
                 )
 
     def _handshake(self, engine_id: str, address: RemoteAddress) -> RemoteEngine:
@@ -362,68 +330,9 @@ class NixlConnectorWorker:
                 f"cannot read {remote.memory} memory ({obstacle})",
             )
 
-    def _read(self, req_id: str, meta: RecvReqMeta, engine: RemoteEngine, report: bool) -> None:
-        assert self.topology is not None
-        local = meta.local_block_ids
-        notif = Notif(
-            "done", [meta.remote_request_id], self.topology.readers_per_remote_rank(engine.tp_size)
-        )
-        if not local:  # a full local prefix hit, or an abort: the prefill side only needs to free
-            self._notify(engine, notif)
-            if report:
-                self._done_recving.add(req_id)
-            return
-        if len(meta.remote_block_ids) < len(local):
-            raise ValueError(
-                f"{len(local)} local blocks to fill but the prefill side has "
-                f"{len(meta.remote_block_ids)}"
-            )
-        # The local prefix hit covers the first blocks: read the last ones.
-        remote = meta.remote_block_ids[len(meta.remote_block_ids) - len(local) :]
-        done = msgspec.msgpack.encode(notif)
-        # Where the lease is checked after the data, the check's READ carries the `done`: the
-        # prefill side must not end the lease (and clear its slot) before the check read it.
-        checked = meta.remote_lease[1] != 0 and all(m.board_region >= 0 for _, m in engine.agents)
-        encoded = (
-            msgspec.msgpack.encode(Notif("heartbeat", [meta.remote_request_id]))
-            if checked
-            else done
-        )
-        # Started before posting: the NIXL backend may copy inside read() itself.
-        start = time.perf_counter()
-        handles, num_bytes, num_descs = [], 0, 0
-        # Staged, the bytes land in the host buffer's blocks first.
-        dest = meta.staging_block_ids or local
-        for j, (agent, remote_meta) in enumerate(engine.agents):
-            region, targets = self.topology.read_target(
-                dest, j, engine.tp_size, remote_meta.block_len
-            )
-            local_descs, remote_descs = block_descs(
-                region, targets, 0, remote, remote_meta.block_len
-            )
-            handles.append(self.transport.read(agent, local_descs, remote_descs, encoded))
-            num_bytes += sum(d.length for d in local_descs)
-            num_descs += len(local_descs)
-        self._loads[req_id] = _Load(
-            meta,
-            local,
-            handles,
-            engine.tp_size,
-            start,
-            num_bytes,
-            num_descs,
-            engine,
-            done,
-            None if checked else [],
-        )
-
     def _notify(self, engine: RemoteEngine, notif: Notif) -> None:
-        msg = msgspec.msgpack.encode(notif)
         for agent, _ in engine.agents:
-            try:
-                self.transport.send_notif(agent, msg)
-            except Exception as e:
-                logger.warning("Notification to %s failed: %s", agent, e)
+            if not send(self.transport, agent, notif):
                 self._count("failed_notifications")
 
     def _fail(self, req_id: str, block_ids: list[int], counter: str, reason: str) -> None:
@@ -444,20 +353,23 @@ class NixlConnectorWorker:
         done_sending, num_expired = self.leases.take_ended()
         if num_expired:
             self._count("expired_leases", num_expired)
-        self._poll_loads()
+        if self.reader is not None:
+            self.reader.poll()
+            self._collect(self.reader)
         if self.sender is not None and self.receiver is not None:
             self.sender.forget(done_sending)
-            self._poll_pushes(self.receiver)
+            self.receiver.check_watchdogs()
+            self._collect(self.receiver)
         done_recving, self._done_recving = self._done_recving, set()
         return done_sending or None, done_recving or None
 
-    def _poll_pushes(self, receiver: PushReceiver) -> None:
-        receiver.check_watchdogs()
-        self._done_recving |= receiver.done
-        receiver.done = set()
-        for req_id, (block_ids, why) in receiver.failed.items():
+    def _collect(self, part: KVReader | PushReceiver) -> None:
+        """The loads `part` finished or failed since the last step."""
+        self._done_recving |= part.done
+        part.done = set()
+        for req_id, (block_ids, why) in part.failed.items():
             self._fail(req_id, block_ids, "failed_transfers", why)
-        receiver.failed = {}
+        part.failed = {}
 
     def _finish_handshakes(self) -> None:
         for engine_id, future in list(self._handshakes.items()):
@@ -469,7 +381,9 @@ class NixlConnectorWorker:
             except Exception as e:  # HandshakeError, an incompatible layout, a transport error
                 logger.error("KV handshake with engine %s failed: %s", engine_id, e)
                 self._count("handshake_failures")
-                reason = f"the KV handshake with prefill engine {engine_id} failed: {_why(e)}"
+                reason = (
+                    f"the KV handshake with prefill engine {engine_id} failed: {client_reason(e)}"
+                )
                 for req_id, meta in list(self._waiting.items()):
                     if meta.remote_engine_id == engine_id:
                         del self._waiting[req_id]
@@ -499,114 +413,6 @@ class NixlConnectorWorker:
                 self.receiver.pushed(sender, notif)
             elif isinstance(notif, PushAlive):
                 self.receiver.alive(notif)
-
-    def _poll_loads(self) -> None:
-        assert self.topology is not None
-        for req_id, load in list(self._loads.items()):
-            states = [self.transport.check_state(h) for h in load.handles]
-            if XferState.PENDING in states and not load.checks:
-                continue
-            if XferState.PENDING in states:
-                # A check reads 8 bytes: wait for it a moment rather than a step.
-                deadline = time.perf_counter() + _CHECK_WAIT_S
-                while XferState.PENDING in states and time.perf_counter() < deadline:
-                    states = [self.transport.check_state(h) for h in load.handles]
-                if XferState.PENDING in states:
-                    continue
-            for handle in load.handles:
-                self.transport.release(handle)
-            if XferState.ERROR in states:
-                del self._loads[req_id]
-                logger.error(
-                    "KV load of request %s from engine %s failed.",
-                    req_id,
-                    load.meta.remote_engine_id,
-                )
-                self._fail(
-                    req_id,
-                    load.local_block_ids,
-                    "failed_transfers",
-                    f"the KV read from prefill engine {load.meta.remote_engine_id} failed in "
-                    "the transport",
-                )
-                continue
-            if load.checks is None:
-                self._check_lease(req_id, load)
-                continue
-            del self._loads[req_id]
-            slot, tag = load.meta.remote_lease
-            if any(int(seen) != tag for seen in load.checks):
-                logger.error(
-                    "KV load of request %s from engine %s: its lease there had ended when the "
-                    "read was checked (slot %d no longer holds its tag); the blocks read may "
-                    "hold another request's KV.",
-                    req_id,
-                    load.meta.remote_engine_id,
-                    slot,
-                )
-                self._fail(
-                    req_id,
-                    load.local_block_ids,
-                    "failed_transfers",
-                    f"prefill engine {load.meta.remote_engine_id} released this request's KV "
-                    "blocks (its lease there ended) before the read was checked",
-                )
-                continue
-            if load.meta.staging_block_ids:
-                assert self.host_buffer is not None
-                self.host_buffer.load(load.meta.staging_block_ids, load.local_block_ids)
-            self.topology.finish(load.local_block_ids, load.remote_tp)
-            self._done_recving.add(req_id)
-            self._count("transfers")
-            self._count("transfer_seconds", time.perf_counter() - load.start)
-            self._count("transfer_bytes", load.num_bytes)
-            self._count("transfer_descriptors", load.num_descs)
-
-    def _check_lease(self, req_id: str, load: _Load) -> None:
-        """The data is in place: READ the lease's board slot from every remote rank read (with
-        the `done` notification). Its tag there proves the prefill side still held the blocks
-        for this request after every byte left them."""
-        agents = load.engine.agents
-        region, area = self._check_area(len(agents))
-        slot, _ = load.meta.remote_lease
-        num_blocks = self.topology.num_blocks if self.topology is not None else 0
-        handles, checks = [], []
-        try:
-            for j, (agent, remote_meta) in enumerate(agents):
-                # Loads in flight hold distinct blocks: the first one names a free entry.
-                i = j * num_blocks + load.local_block_ids[0]
-                area[i] = 0
-                checks.append(area[i : i + 1])
-                handles.append(
-                    self.transport.read(
-                        agent,
-                        [Desc(region, i * 8, 8)],
-                        [Desc(remote_meta.board_region, slot * 8, 8)],
-                        load.done,
-                    )
-                )
-        except Exception as e:  # a slot outside the board, a vanished agent
-            logger.error("KV load of request %s: the lease check failed to start: %s", req_id, e)
-            for handle in handles:
-                self.transport.release(handle)
-            del self._loads[req_id]
-            self._fail(
-                req_id,
-                load.local_block_ids,
-                "failed_transfers",
-                f"the lease check with prefill engine {load.meta.remote_engine_id} failed to "
-                f"start: {_why(e)}",
-            )
-            return
-        load.handles, load.checks = handles, checks
-
-    def _check_area(self, num_ranks: int) -> tuple[int, torch.Tensor]:
-        """Where the board slots of reads from `num_ranks` remote ranks land, by local block."""
-        if num_ranks not in self._checks:
-            assert self.topology is not None
-            area = torch.zeros(num_ranks * self.topology.num_blocks, dtype=torch.int64)
-            self._checks[num_ranks] = (self.transport.register_region(area), area)
-        return self._checks[num_ranks]
 
     def take_invalid_block_ids(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()
