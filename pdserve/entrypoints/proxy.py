@@ -53,11 +53,7 @@ from pdserve.entrypoints.proxy_instances import (
 )
 from pdserve.entrypoints.proxy_metrics import ProxyMetrics
 from pdserve.entrypoints.proxy_openapi import ProxySchema
-from pdserve.entrypoints.proxy_prefill_leg import (
-    PrefillLeg,
-    prefill_leg,
-    stopped_at_first_token,
-)
+from pdserve.entrypoints.proxy_prefill_leg import PrefillLeg, prefill_leg
 from pdserve.entrypoints.proxy_prompts import PromptTokens
 from pdserve.entrypoints.proxy_push_leg import can_push, push_legs
 from pdserve.entrypoints.proxy_routing import (
@@ -260,33 +256,16 @@ def build_proxy_app(
                     routers["decode"], decode_route.instance, hashes, endpoint, body, headers
                 )
 
-            ships_first = (
+            if (
                 streaming
+                and leg.hop_answer is not None
                 and leg.prompt_logprobs is None
                 and body.get("n", 1) == 1
                 and not body.get("echo")
                 # A tool call's first token is not yet text or a call: the decode instance's
                 # stream alone knows which deltas it makes.
                 and not (body.get("tools") and body.get("tool_choice") != "none")
-            )
-            # Push mode: the decode leg opens now, so that its instance registers its blocks
-            # while the prompt computes; the prefill hop's token may still go out first.
-            pushed: asyncio.Task[DecodeLeg] | None = None
-            if ships_first and leg.hop_task is not None:
-                pushed = asyncio.create_task(decode_leg())
-                try:
-                    hop_answer = await asyncio.shield(leg.hop_task)
-                except BaseException:  # the client left: the opened leg is closed, as below
-                    closing = asyncio.create_task(close_unread(pushed))
-                    background.add(closing)
-                    closing.add_done_callback(background.discard)
-                    raise
-                prefill_s = time.perf_counter() - prefill_start
-                # A failed hop: the decode stream says why. A first token that stopped the
-                # request: the decode stream ends there too, and is the whole answer.
-                if hop_answer is not None and not stopped_at_first_token(hop_answer):
-                    leg.hop_answer = hop_answer
-            if ships_first and leg.hop_answer is not None:
+            ):
                 # The prefill instance's token goes to the client now, before the decode leg;
                 # the decode instance's stream follows without it.
                 first = first_token_events(leg.hop_answer, endpoint, body.get("stream_options"))
@@ -297,7 +276,7 @@ def build_proxy_app(
                     # then must not leave the prefill instance holding the KV until its lease
                     # ends: the leg opens anyway and is closed, which aborts it there and has
                     # the decode instance release the hand-off.
-                    opening = pushed or asyncio.create_task(decode_leg())
+                    opening = asyncio.create_task(decode_leg())
                     decode_start = time.perf_counter()
                     decode = None
                     try:
@@ -325,7 +304,7 @@ def build_proxy_app(
                 )
 
             decode_start = time.perf_counter()
-            decode = await (pushed or decode_leg())
+            decode = await decode_leg()
             answer = decode.answer
             out_headers["X-PD-Decode-Instance"] = decode.instance.url
             chunks = answer.aiter_raw()

@@ -4,7 +4,6 @@ prefills: docs/proxy.md's local path)."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +31,6 @@ class PrefillLeg:
     prompt_logprobs: PromptLogprobs | None = None
     # The prefill instance's one-token answer, when the KV is handed over.
     hop_answer: dict[str, Any] | None = None
-    # Push mode: that answer to come (None if the hop failed), the decode hop already sent.
-    hop_task: asyncio.Task[dict[str, Any] | None] | None = None
 
     @property
     def path(self) -> str:
@@ -45,11 +42,6 @@ class PrefillLeg:
     def header(self) -> str:
         """X-PD-Path's value."""
         return self.path if self.reason is None else f"local; reason={self.reason}"
-
-
-def stopped_at_first_token(answer: dict[str, Any]) -> bool:
-    """Whether a one-token answer's (first) sequence ended there, by a stop condition."""
-    return answer.get("choices", [{}])[0].get("finish_reason") == "stop"
 
 
 def is_one_token(body: dict[str, Any]) -> bool:
@@ -93,7 +85,7 @@ async def prefill_leg(
     if resp.status_code != 200:  # the client's mistake: the decode instance would agree
         raise forwarded_error(instance, resp)
     answer = resp.json()
-    stopped = stopped_at_first_token(answer)
+    stopped = answer.get("choices", [{}])[0].get("finish_reason") == "stop"
     if one_token or (stopped and single):
         answer.pop("kv_transfer_params", None)
         return PrefillLeg(instance, answer=answer)

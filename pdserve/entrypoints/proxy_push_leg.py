@@ -3,10 +3,9 @@
 The prefill hop carries a transfer id; the decode hop names the prefill instance's KV side
 channel (from its /server_info) and that id, so the decode instance registers its blocks there
 while the prompt computes, and the prefill instance writes them as they fill. The client's answer
-is the decode instance's, except that a stream's first token is the prefill hop's, sent as soon
-as it comes (as in pull mode, the client does not wait for the KV to land). Where a request
-cannot take this path (one token asked, prompt logprobs, a batch, or a prefill instance whose
-side channel is unknown) the proxy takes the sequential path, which push instances serve too.
+is the decode instance's; the prefill hop's one token is dropped. Where a request cannot take
+this path (one token asked, prompt logprobs, a batch, or a prefill instance whose side channel
+is unknown) the proxy takes the sequential path, which push instances serve as well.
 """
 
 from __future__ import annotations
@@ -95,22 +94,21 @@ async def push_legs(
         remote_port=channel.port,
         tp_size=channel.tp_size,
     )
-    return PrefillLeg(instance, params, hop_task=task)
+    return PrefillLeg(instance, params)
 
 
 async def _prefill_hop(
     instance: Instance, hop: dict[str, Any], endpoint: str, headers: dict[str, str]
-) -> dict[str, Any] | None:
-    """The prefill hop's one-token answer, which a stream sends as its first token; None if
-    the hop failed: the decode instance's push then fails too (its watchdog, or the prefill
-    side's answer), and says why to its client."""
+) -> None:
+    """The prefill hop's answer only matters when it failed: the decode instance's push then
+    fails too (its watchdog, or the prefill side's answer), and says why to its client."""
     instance.in_flight += 1
     try:
         resp = await instance.client.post(f"/v1/{endpoint}", json=hop, headers=headers)
     except httpx.HTTPError as e:
         instance.side_channel = None
         logger.warning("Push-mode prefill hop failed: %s", failed(instance, e))
-        return None
+        return
     finally:
         instance.in_flight -= 1
     if resp.status_code != 200:
@@ -120,5 +118,3 @@ async def _prefill_hop(
             resp.status_code,
             resp.text[:200],
         )
-        return None
-    return resp.json()
