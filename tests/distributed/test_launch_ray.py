@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,10 @@ def _reference(model: str) -> list[list[int]]:
     return hf_reference(model, PROMPTS, MAX_TOKENS)
 
 
+def _marked_down(proxy: RemoteServer, url: str) -> bool:
+    return any(i["url"] == url and not i["healthy"] for i in _health(proxy)["decode"])
+
+
 def _health(proxy: RemoteServer) -> dict[str, list[dict[str, Any]]]:
     return httpx.get(f"{proxy.url}/health", timeout=10).json()
 
@@ -140,16 +145,10 @@ def test_each_instance_on_its_node_and_a_lost_node_leaves_the_survivors_serving(
         lost_node = placed["decode-1"][0]
         (lost_url,) = re.findall(rf"decode-1 at (\S+) on Ray node {lost_node}", proxy.read_log())
         cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == lost_node))
-        ray_lost = None
-        for _ in range(120):
-            down = [
-                i for i in _health(proxy)["decode"] if not i["healthy"] and i["url"] == lost_url
-            ]
-            if down:
-                ray_lost = down[0]
-                break
-            asyncio.run(asyncio.sleep(0.5))
-        assert ray_lost is not None, "the proxy marked the lost instance down"
+        deadline = time.monotonic() + 60
+        while not _marked_down(proxy, lost_url) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _marked_down(proxy, lost_url), "the proxy marked the lost instance down"
         assert proxy.proc.poll() is None, "the launcher serves on with the survivors"
 
         assert _complete(proxy, model) == expected
