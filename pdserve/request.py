@@ -64,6 +64,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         kv_transfer_params: KVTransferParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -72,6 +73,9 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.kv_transfer_params = kv_transfer_params
+        # Only requests with the same salt (or none) share prefix-cache blocks: it enters the
+        # hash of the first block (scheduler/kv_cache_utils.py).
+        self.cache_salt = cache_salt
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -16,7 +16,12 @@ import msgspec
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core_client import AsyncEngineCoreClient, EngineDeadError
-from pdserve.engine.input_processor import ChatMessages, InputProcessor, PromptType
+from pdserve.engine.input_processor import (
+    ChatMessages,
+    InputProcessor,
+    PromptType,
+    prompt_cache_salt,
+)
 from pdserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.kv_connector.first_token import shipped_logprobs
@@ -83,6 +88,7 @@ class AsyncLLM:
         if self.client.dead_reason is not None:
             raise EngineDeadError(self.client.dead_reason)
         text, token_ids = self.tokenize(prompt)
+        salt = prompt_cache_salt(prompt)
         if request_id in self.queues:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -103,12 +109,14 @@ class AsyncLLM:
         try:
             if shared_read:
                 self.followers[first_id] = [
-                    self.input_processor.make_request(child_id, token_ids, child_params)
+                    self.input_processor.make_request(
+                        child_id, token_ids, child_params, cache_salt=salt
+                    )
                     for child_id, child_params in children[1:]
                 ]
             for child_id, child_params in children[:1] if shared_read else children:
                 request = self.input_processor.make_request(
-                    child_id, token_ids, child_params, kv_transfer_params
+                    child_id, token_ids, child_params, kv_transfer_params, cache_salt=salt
                 )
                 self.client.add_request(request)
                 if request.output_token_ids:

@@ -18,7 +18,9 @@ from pdserve.kv_connector.first_token import shipped_first_token
 from pdserve.kv_connector.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
-PromptType = str | dict[str, Any]  # a string, or {"prompt_token_ids": [...]}
+# A string, or vLLM's TextPrompt {"prompt": "..."} or TokensPrompt {"prompt_token_ids": [...]},
+# either dict with an optional "cache_salt".
+PromptType = str | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
 
 
@@ -33,6 +35,14 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> N
             f"The prompt has {len(token_ids)} tokens, which leaves no room for a generated "
             f"token within max_model_len={max_model_len}."
         )
+
+
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's `cache_salt`, checked as vLLM's server checks the request field."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string if provided.")
+    return salt
 
 
 def check_params_for_model(
@@ -86,8 +96,12 @@ class InputProcessor:
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         else:
-            raise ValueError("A prompt is a string or a dict with 'prompt_token_ids'.")
+            raise ValueError(
+                "A prompt is a string, or a dict with 'prompt' (a string) or 'prompt_token_ids'."
+            )
         self.check_prompt(token_ids)
         return text, token_ids
 
@@ -109,6 +123,7 @@ class InputProcessor:
         params: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> EngineCoreRequest:
         check_params_for_model(params, self.vocab_size, self.max_logprobs)
         # Extra EOS ids of the generation config stop generation like stop_token_ids do.
@@ -137,4 +152,5 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             kv_transfer_params=kv_transfer_params,
             output_token_ids=[] if first is None else [first],
+            cache_salt=cache_salt,
         )

@@ -11,7 +11,12 @@ from tqdm import tqdm
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
-from pdserve.engine.input_processor import ChatMessages, InputProcessor, PromptType
+from pdserve.engine.input_processor import (
+    ChatMessages,
+    InputProcessor,
+    PromptType,
+    prompt_cache_salt,
+)
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.outputs import RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
@@ -83,6 +88,7 @@ class LLM:
         if params.structured_outputs is not None:
             grammar.check(params.structured_outputs)
         text, token_ids = self.input_processor.tokenize(prompt)
+        salt = prompt_cache_salt(prompt)
         request_id = str(next(self._request_counter))
         children = self.output_processor.add_request(
             request_id, text, token_ids, params, RequestOutputKind.FINAL_ONLY
@@ -90,7 +96,9 @@ class LLM:
         try:
             for child_id, child_params in children:
                 self.engine_core.add_request(
-                    self.input_processor.make_request(child_id, token_ids, child_params)
+                    self.input_processor.make_request(
+                        child_id, token_ids, child_params, cache_salt=salt
+                    )
                 )
         except BaseException:
             self._abort([request_id])

@@ -35,6 +35,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Generated elsewhere (the token a prefill instance sampled): the request continues after
     # them, and their outputs are not sent again.
     output_token_ids: list[int] = []
+    cache_salt: str | None = None
 
     def to_request(self) -> Request:
         request = Request(
@@ -45,6 +46,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
             arrival_time=self.arrival_time,
             priority=self.priority,
             kv_transfer_params=self.kv_transfer_params,
+            cache_salt=self.cache_salt,
         )
         if self.output_token_ids:
             request.append_output_token_ids(self.output_token_ids)

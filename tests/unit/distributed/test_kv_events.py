@@ -21,7 +21,10 @@ from pdserve.distributed.kv_events import (
     make_event_publisher,
 )
 from pdserve.kv_events_config import KVEventsConfig
+from pdserve.request import Request
+from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.block_pool import BlockPool
+from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.kv_cache_utils import hash_block_tokens
 
 BLOCK_SIZE = 4
@@ -133,6 +136,30 @@ def test_split_runs_around_a_block_cached_elsewhere() -> None:
         BlockStored(ext[:1], None, tokens[:4], BLOCK_SIZE, None, "GPU", None),
         BlockStored(ext[2:], ext[1], tokens[8:], BLOCK_SIZE, None, "GPU", None),
     ]
+
+
+def test_salted_requests_store_chains_of_their_own() -> None:
+    """The same tokens under two cache_salts are two chains in the events: a router following
+    them never sends one tenant's prompt to the other's blocks."""
+    manager = KVCacheManager(8, BLOCK_SIZE, 64, enable_caching=True, enable_kv_cache_events=True)
+    tokens = list(range(100, 109))  # two full blocks and a token
+    requests = [
+        Request(salt, tokens, SamplingParams(), None, cache_salt=salt)
+        for salt in ("tenant-a", "tenant-b")
+    ]
+    for request in requests:
+        assert manager.get_computed_blocks(request) == ([], 0)
+        manager.allocate_slots(request, len(tokens))
+    events = manager.block_pool.take_events()
+    for event, request in zip(events, requests, strict=True):
+        first = hash_block_tokens(None, tokens[:4], (request.cache_salt,))
+        salted = [first, hash_block_tokens(first, tokens[4:8])]
+        assert event == BlockStored(
+            [external_block_hash(h) for h in salted], None, tokens[:8], 4, None, "GPU", None
+        )
+    for request in requests:
+        request.num_computed_tokens = len(tokens)
+        manager.free(request)
 
 
 def test_events_off_keeps_nothing() -> None:

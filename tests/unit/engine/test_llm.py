@@ -122,6 +122,29 @@ def test_logprobs(llm):
     )
 
 
+def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(llm):
+    """vLLM's prompt dicts: a TextPrompt or TokensPrompt with a cache_salt hits only blocks
+    cached under the same salt (40 tokens: two full blocks of 16)."""
+    token_ids = [(i * 7) % 200 + 300 for i in range(40)]
+    text = llm.get_tokenizer().decode(token_ids)
+    token_ids = llm.get_tokenizer().encode(text)
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    prompts = [
+        {"prompt": text, "cache_salt": "tenant-a"},
+        {"prompt_token_ids": token_ids, "cache_salt": "tenant-b"},
+        {"prompt_token_ids": token_ids},
+        {"prompt_token_ids": token_ids, "cache_salt": "tenant-a"},
+    ]
+    outs = [llm.generate(p, greedy, use_tqdm=False)[0] for p in prompts]
+    full_blocks = (len(token_ids) - 1) // 16 * 16
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, full_blocks] and full_blocks == 32
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    for salt in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.generate({"prompt": text, "cache_salt": salt}, use_tqdm=False)
+    assert pool_is_full(llm)
+
+
 def test_shutdown_is_idempotent(tiny_model):
     """The first shutdown ends the worker processes; the second finds nothing left to do, and
     the LLM refuses work from then on."""

@@ -87,6 +87,7 @@ def make_request(
     max_tokens: int | None = 16,
     priority: int = 0,
     arrival_time: float | None = None,
+    cache_salt: str | None = None,
     **sampling: object,
 ) -> Request:
     """A request whose prompt is the given tokens, or that many tokens unique to it."""
@@ -100,6 +101,7 @@ def make_request(
         eos_token_id=EOS,
         arrival_time=arrival_time,
         priority=priority,
+        cache_salt=cache_salt,
     )
 
 

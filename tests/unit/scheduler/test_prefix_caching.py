@@ -50,6 +50,21 @@ def test_block_hasher_is_incremental() -> None:
     assert request.block_hashes[2] == hash_block_tokens(request.block_hashes[1], [8, 9, 10, 11])
 
 
+def test_a_salt_enters_the_first_block_and_reaches_the_chain() -> None:
+    """vLLM's cache_salt: an extra key of block 0 only; later blocks differ through their parent."""
+    hasher = request_block_hasher(BLOCK_SIZE)
+    salted = make_request("s", prompt=list(range(8)), cache_salt="tenant-a")
+    hasher(salted)
+    first = hash_block_tokens(None, [0, 1, 2, 3], ("tenant-a",))
+    assert salted.block_hashes == [first, hash_block_tokens(first, [4, 5, 6, 7])]
+    plain = make_request("p", prompt=list(range(8)))
+    other = make_request("o", prompt=list(range(8)), cache_salt="tenant-b")
+    hasher(plain)
+    hasher(other)
+    for a, b in ((salted, plain), (salted, other), (plain, other)):
+        assert not set(a.block_hashes) & set(b.block_hashes)
+
+
 def test_hashes_agree_across_processes() -> None:
     code = (
         "from pdserve.scheduler.kv_cache_utils import hash_block_tokens as h;"
@@ -80,6 +95,22 @@ def test_full_blocks_hit_and_partial_blocks_do_not(pools: list[BlockPool]) -> No
     assert manager.prefix_cache_queries == 21 and manager.prefix_cache_hits == 8
     manager.free(a)
     manager.free(b)
+
+
+def test_two_salts_never_share_a_block_and_one_salt_hits_its_own(
+    pools: list[BlockPool],
+) -> None:
+    manager = make_manager(pools)
+    prompt = list(range(10))  # 2 full blocks + 2 tokens
+    salts = {"a": "tenant-a", "b": "tenant-b", "plain": None, "again": "tenant-a"}
+    requests = [make_request(r, prompt=prompt, cache_salt=salt) for r, salt in salts.items()]
+    assert [admit(manager, r) for r in requests] == [0, 0, 0, 8]
+    a_blocks = manager.get_block_ids("a")[:2]
+    assert manager.get_block_ids("again")[:2] == a_blocks
+    for request_id in ("b", "plain"):
+        assert not set(manager.get_block_ids(request_id)) & set(a_blocks)
+    for request in requests:
+        manager.free(request)
 
 
 def test_hit_is_capped_so_the_last_token_is_recomputed(pools: list[BlockPool]) -> None:
