@@ -6,7 +6,8 @@ What an instance holds comes from its KV cache events when it publishes them
 (docs/kv_events.md); otherwise from the proxy's own decisions: a prompt routed to an instance
 is presumed cached there for `cache_ttl_s`. Prompts are hashed block by block exactly as the
 instances hash them (scheduler/kv_cache_utils.py: the same chained BLAKE2s, the same constant
-root), so a prompt's hashes are the ones the events name.
+root, the request's cache_salt in its first block), so a prompt's hashes are the ones the events
+name.
 """
 
 from __future__ import annotations
@@ -124,10 +125,10 @@ class Router:
         # of it. None until one answered: requests are then routed by load alone.
         self.block_size: int | None = None
 
-    def hashes(self, token_ids: list[int]) -> list[int]:
+    def hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
         if not token_ids or self.block_size is None or self.config.policy != "cache_aware":
             return []
-        return prompt_block_hashes(token_ids, self.block_size)
+        return prompt_block_hashes(token_ids, self.block_size, cache_salt)
 
     def pick(self, hashes: list[int], exclude: Instance | None = None) -> Route:
         """The instance for a prompt of these block hashes; `exclude`: one whose hop just
@@ -292,12 +293,18 @@ def local_policy(
     return None
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+def prompt_block_hashes(
+    token_ids: list[int], block_size: int, cache_salt: str | None = None
+) -> list[int]:
     """The hashes, as events carry them, of the prompt's blocks a prefix-cache hit may cover
-    (not the block of the last token, which an instance always computes)."""
+    (not the block of the last token, which an instance always computes); salted as the
+    instances salt the request's (its `cache_salt`)."""
     hashes: list[bytes] = []
     extend_block_hashes(
-        hashes, token_ids[: (len(token_ids) - 1) // block_size * block_size], block_size
+        hashes,
+        token_ids[: (len(token_ids) - 1) // block_size * block_size],
+        block_size,
+        cache_salt,
     )
     return [external_block_hash(h) for h in hashes]
 

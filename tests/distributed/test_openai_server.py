@@ -165,6 +165,34 @@ def test_usage_reports_cached_tokens(server: RemoteServer, model: str) -> None:
     assert delta["external_kv_transfer"] == 0
 
 
+def test_cache_salt_keeps_hits_within_a_salt(server: RemoteServer, model: str) -> None:
+    """vLLM's cache_salt on both endpoints: a request hits the blocks of earlier requests with
+    its salt, never those of another salt or of none (40 tokens: two full blocks)."""
+    client = server.client()
+    prompt = [(i * 17) % 300 + 10 for i in range(40)]
+    messages = [{"role": "user", "content": "keep it apart " * 6}]
+
+    def cached(salt: str | None, chat: bool = False) -> int:
+        args = {"model": model, "max_tokens": 2, "temperature": 0}
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        if chat:
+            usage = client.chat.completions.create(messages=messages, **args, **extra).usage
+        else:
+            usage = client.completions.create(prompt=prompt, **args, **extra).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(s) for s in ("tenant-a", "tenant-b", None, "tenant-a")] == [0, 0, 0, 32]
+    chat = [cached(s, chat=True) for s in ("tenant-a", "tenant-b", None, "tenant-a")]
+    assert chat[:3] == [0, 0, 0] and chat[3] >= 16
+    bad = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": model, "prompt": "hi", "cache_salt": ""},
+        timeout=30,
+    )
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == "cache_salt: must be a non-empty string if provided"
+
+
 def test_n_logprobs_and_seed(server: RemoteServer, model: str) -> None:
     client = server.client()
     resp = client.completions.create(
@@ -368,6 +396,12 @@ BAD_REQUESTS = [
     # vLLM refuses an empty stop string too; the schema says so (minLength 1), which fuzzing
     # the proxy found it did not.
     ("empty stop string", {"prompt": "hi", "stop": ""}, "stop"),
+    ("empty cache_salt", {"prompt": "hi", "cache_salt": ""}, "cache_salt"),
+    (
+        "cache_salt not a string",
+        {"messages": [{"role": "user", "content": "hi"}], "cache_salt": 5},
+        "cache_salt",
+    ),
     ("prompt too long", {"prompt": [5] * MAX_MODEL_LEN}, "prompt"),
     ("prompt + max_tokens too long", {"prompt": [5] * 1000, "max_tokens": 100}, "max_tokens"),
     ("token id out of vocab", {"prompt": [10**7]}, "prompt"),

@@ -276,6 +276,27 @@ def _post_logprobs(server: RemoteServer, body: dict[str, Any]) -> tuple[httpx.He
     return headers, [choices[i] for i in sorted(choices)]
 
 
+def test_cache_salt_keeps_hits_within_a_salt_on_both_sides(servers: dict[str, Any]) -> None:
+    """Both hops carry vLLM's cache_salt: the prefill instance's blocks and the decode
+    instance's hits are the salt's, so a prompt hits through the split only under its own salt
+    (a side that ignored it would report the other salts' two full blocks as cached)."""
+    body = greedy_body(servers["model"], _prompt(salt=13), MAX_TOKENS)
+
+    def cached(server: RemoteServer, salt: str | None) -> int:
+        salted = body if salt is None else {**body, "cache_salt": salt}
+        resp = httpx.post(f"{server.url}/v1/completions", json=salted, timeout=120)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    salts = ("tenant-a", "tenant-b", None, "tenant-a")
+    assert [cached(servers["proxy"], s) for s in salts] == [0, 0, 0, 2 * BLOCK]
+    # Each instance holds the prompt under the salts the split served, and under no other.
+    for side in ("prefill", "decode"):
+        assert cached(servers[side], "tenant-b") == 2 * BLOCK
+        assert cached(servers[side], "tenant-c") == 0
+    _wait_pools_full(servers)
+
+
 def test_n_with_a_first_token_that_stops_is_served_locally_and_told(
     servers: dict[str, Any],
 ) -> None:

@@ -146,6 +146,13 @@ class _SamplingRequest(BaseModel):
         KVTransferParams | None,
         WithJsonSchema({"type": ["object", "null"], "description": "vLLM's kv_transfer_params"}),
     ] = None
+    # vLLM's: only requests with the same salt share prefix-cache blocks, so that one tenant
+    # cannot learn from a hit's timing what another sent.
+    cache_salt: NonEmptyStr | None = Field(
+        default=None,
+        description="vLLM's prefix-cache salt: requests share cached blocks only with requests "
+        "of the same salt. Make it a secret, random and long (such as 256 bits, base64-encoded).",
+    )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's older names for structured_outputs' constraints.
@@ -186,6 +193,13 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _check_kv_transfer_params(cls, value: Any) -> KVTransferParams | None:
         return None if value is None else KVTransferParams.from_json(value)
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _check_cache_salt(cls, value: Any) -> Any:
+        if value is not None and (not isinstance(value, str) or not value):
+            raise PydanticCustomError("cache_salt", "must be a non-empty string if provided")
+        return value
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint the request asks for, checked; ValueError naming the field."""

@@ -56,7 +56,7 @@ class OpenAIServingChat:
         prompt_logprobs = self.serving.prompt_logprobs(req)
         return [
             (
-                {"prompt_token_ids": token_ids},
+                {"prompt_token_ids": token_ids, "cache_salt": req.cache_salt},
                 self.serving.sampling_params(req, max_tokens, top, len(token_ids), prompt_logprobs),
             )
         ]

@@ -38,7 +38,12 @@ class OpenAIServingCompletion:
             params = self.serving.sampling_params(
                 req, req.max_tokens, req.logprobs, len(token_ids), prompt_logprobs
             )
-            prepared.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
+            engine_prompt = {
+                "prompt": text,
+                "prompt_token_ids": token_ids,
+                "cache_salt": req.cache_salt,
+            }
+            prepared.append((engine_prompt, params))
         return prepared
 
     async def completion(

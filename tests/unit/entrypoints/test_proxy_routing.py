@@ -20,7 +20,9 @@ from pdserve.entrypoints.proxy_routing import (
     local_policy,
     prompt_block_hashes,
 )
-from pdserve.scheduler.kv_cache_utils import extend_block_hashes
+from pdserve.request import Request
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.kv_cache_utils import extend_block_hashes, request_block_hasher
 
 BLOCK = 4
 
@@ -47,6 +49,16 @@ def test_prompt_hashes_are_the_instances_block_hashes() -> None:
     # The block of the last token is never a hit (it is always computed): 17 // 4 = 4 blocks.
     assert prompt_block_hashes(tokens, BLOCK) == [external_block_hash(h) for h in engine[:4]]
     assert prompt_block_hashes(tokens[:16], BLOCK) == [external_block_hash(h) for h in engine[:3]]
+
+
+def test_a_salted_prompt_hashes_as_the_instances_hash_its_request() -> None:
+    tokens = list(range(100, 118))
+    request = Request("r", tokens, SamplingParams(), None, cache_salt="tenant-a")
+    request_block_hasher(BLOCK)(request)
+    salted = prompt_block_hashes(tokens, BLOCK, "tenant-a")
+    assert salted == [external_block_hash(h) for h in request.block_hashes[:4]]
+    assert not set(salted) & set(prompt_block_hashes(tokens, BLOCK))
+    assert not set(salted) & set(prompt_block_hashes(tokens, BLOCK, "tenant-b"))
 
 
 def test_longest_cached_prefix_wins(pool: InstancePool) -> None:
