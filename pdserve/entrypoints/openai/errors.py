@@ -58,8 +58,13 @@ def validation_error(errors: list[Any]) -> OpenAIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"Malformed JSON body: {first.get('msg')}")
-    # A union body's errors name its member first (TokenizePromptRequest): not a field.
-    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not str(x)[:1].isupper()]
+    # A union body's errors name its member first (TokenizePromptRequest, or the validator
+    # that wraps it, "function-wrap[...]"): not a field.
+    loc = [
+        str(x)
+        for x in first.get("loc", ())
+        if x != "body" and not str(x)[:1].isupper() and not str(x).startswith("function-")
+    ]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return OpenAIError(400, message, param=param)

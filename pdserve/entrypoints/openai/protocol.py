@@ -1,14 +1,17 @@
 """Request bodies of the OpenAI API (the fields pdserve honours) and their SamplingParams.
 
-Unknown fields are ignored, as OpenAI's clients send some this server has no use for; a known
-field of the wrong type (strictly: no coercion) or out of range is a 400 that names it. So is a field of OpenAI's API or
-vLLM's that pdserve does not implement yet, when the request turns it on: answering without it
-would look like success (prose for a JSON schema, no tool call for a named tool).
+Unknown fields are ignored, as OpenAI's clients send some this server has no use for, and the
+log names them (vLLM's warning); a known field of the wrong type (strictly: no coercion) or out
+of range is a 400 that names it. So is a field of OpenAI's API or vLLM's that pdserve does not
+implement yet, when the request turns it on: answering without it would look like success
+(prose for a JSON schema, no tool call for a named tool).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -16,9 +19,11 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -26,6 +31,8 @@ from pdserve.entrypoints.openai import tool_calls
 from pdserve.kv_connector.params import KVTransferParams
 from pdserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pdserve.structured_output import grammar
+
+logger = logging.getLogger(__name__)
 
 # Not implemented yet, with the values that leave them off (what a client library may send as a
 # default); any other value is refused, naming the field.
@@ -70,8 +77,31 @@ def _off(name: str) -> dict[str, Any]:
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(BaseModel):
+@functools.cache
+def _accepted_keys(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(field.alias or name for name, field in model.model_fields.items())
+
+
+class OpenAIBaseModel(BaseModel):
+    """vLLM's OpenAIBaseModel: a field the body has and the model lacks is ignored, and one
+    warning names them all, so that a client learns that a field it relies on did nothing."""
+
     model_config = _STRICT
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        result = handler(data)
+        if isinstance(data, dict):
+            ignored = data.keys() - _accepted_keys(cls)
+            if ignored:
+                logger.warning(
+                    "The following fields were present in the request but ignored: %s", ignored
+                )
+        return result
+
+
+class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries the usage so far.
     continuous_usage_stats: bool = False
@@ -81,28 +111,22 @@ class StreamOptions(BaseModel):
         return options is not None and options.include_usage and options.continuous_usage_stats
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = _STRICT
-
+class JsonSchemaFormat(OpenAIBaseModel):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(OpenAIBaseModel):
     """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
-
-    model_config = _STRICT
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(OpenAIBaseModel):
     """vLLM's structured_outputs request field (one constraint; SamplingParams checks it)."""
-
-    model_config = _STRICT
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -112,7 +136,7 @@ class StructuredOutputs(BaseModel):
     disable_any_whitespace: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(OpenAIBaseModel):
     # kv_transfer_params is a msgspec struct, which the validator builds.
     model_config = ConfigDict(extra="ignore", strict=True, arbitrary_types_allowed=True)
 
@@ -313,9 +337,7 @@ class CompletionRequest(_SamplingRequest):
         return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
 
 
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-
+class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     # An assistant's earlier calls, and a tool message's answer to one.
@@ -331,31 +353,23 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class FunctionDefinition(BaseModel):
-    model_config = _STRICT
-
+class FunctionDefinition(OpenAIBaseModel):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(BaseModel):
-    model_config = _STRICT
-
+class ChatTool(OpenAIBaseModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = _STRICT
-
+class NamedFunction(OpenAIBaseModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = _STRICT
-
+class NamedToolChoice(OpenAIBaseModel):
     type: Literal["function"]
     function: NamedFunction
 
@@ -433,10 +447,8 @@ class ChatCompletionRequest(_SamplingRequest):
         return None
 
 
-class TokenizePromptRequest(BaseModel):
+class TokenizePromptRequest(OpenAIBaseModel):
     """vLLM's /tokenize of a prompt."""
-
-    model_config = _STRICT
 
     model: str | None = None
     prompt: str
@@ -445,10 +457,8 @@ class TokenizePromptRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(OpenAIBaseModel):
     """vLLM's /tokenize of chat messages under the model's template."""
-
-    model_config = _STRICT
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -460,9 +470,7 @@ class TokenizeChatRequest(BaseModel):
 TokenizeRequest = TokenizePromptRequest | TokenizeChatRequest
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = _STRICT
-
+class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     tokens: list[TokenId]
 
