@@ -162,18 +162,15 @@ def _cpu_kernel() -> ctypes._CFuncPtr | None:
     return fn
 
 
-# The CPU kernel scores each query token against its keys one by one: unbeatable for decodes
-# and short chunks, while SDPA's tiled matmuls win on long prompts.
-CPU_KERNEL_MAX_QUERY_LEN = 64
-
-
 def paged_attention_cpu(
     query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
 ) -> torch.Tensor | None:
     """The C++ kernel of csrc/paged_attention_cpu.cpp: reads keys and values through the block
-    table in place. None where it does not apply (dtype, layout, long queries, no compiler)."""
+    table in place, every query token against its keys in order whatever the batch (batch
+    invariance: SDPA's padded tiles are not the default for any batch). None where it does not
+    apply (dtype, no compiler)."""
     dtype = _CPU_DTYPES.get(query.dtype)
-    if dtype is None or md.max_query_len > CPU_KERNEL_MAX_QUERY_LEN:
+    if dtype is None:
         return None
     kernel = _cpu_kernel()
     if kernel is None:
@@ -220,7 +217,7 @@ def rope_attention_cpu(
     runs the three)."""
     if qkv.dtype != torch.bfloat16 or cos_sin_cache.dtype != torch.bfloat16:
         return None
-    if md.max_query_len > CPU_KERNEL_MAX_QUERY_LEN or md.num_actual_tokens != qkv.shape[0]:
+    if md.num_actual_tokens != qkv.shape[0]:
         return None
     if qkv.dim() != 2 or qkv.stride(1) != 1 or kv_cache.dtype != torch.bfloat16:
         return None

@@ -1,7 +1,8 @@
-"""A Llama decoder stack's decode step in one call into csrc/decoder_cpu.cpp, on AMX in bf16.
+"""A Llama decoder stack's step in one call into csrc/decoder_cpu.cpp, in bf16 (AMX or
+AVX512-BF16).
 
 Per layer it runs what the model's per-layer path runs through norm_linear_cpu, the fused
-rotary + attention call and the AMX linear: the same C code, so the same bits, without the
+rotary + attention call and the packed linear: the same C code, so the same bits, without the
 Python between the calls, which in the engine costs more than the kernels it calls (the
 weights streaming past evict the interpreter's state). Decode-sized batches only; the caller
 runs its layers one by one wherever `DecoderStack.forward` returns None.
@@ -15,13 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels import backend, native
-from pdserve.kernels.attention import (
-    CPU_KERNEL_MAX_QUERY_LEN,
-    AttentionMetadata,
-    Geometry,
-    as_int32,
-)
-from pdserve.kernels.linear import AMX_BLOCK_K, AMX_MAX_ROWS, PackedWeight
+from pdserve.kernels.attention import AttentionMetadata, Geometry, as_int32
+from pdserve.kernels.linear import BLOCK_K, PackedWeight
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -53,7 +49,7 @@ class _StackShape(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer as the stack reads it: norms' weights, AMX-packed projections."""
+    """One decoder layer as the stack reads it: norms' weights, bf16-packed projections."""
 
     input_norm: torch.Tensor
     qkv: PackedWeight
@@ -108,9 +104,12 @@ class DecoderStack:
 
     @staticmethod
     def available(layers: list[LayerWeights]) -> bool:
-        """Every projection AMX-packed with whole 32-k blocks, and the library built for AMX."""
+        """Every projection bf16-packed with whole 32-k blocks, and the library built with
+        AVX512-BF16."""
         projections = [p for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)]
-        if not layers or not all(p.amx and p.in_features % AMX_BLOCK_K == 0 for p in projections):
+        if not layers or not all(
+            p.data.dtype == torch.bfloat16 and p.in_features % BLOCK_K == 0 for p in projections
+        ):
             return False
         lib = native.load("decoder_cpu")
         return lib is not None and lib.pdserve_decoder_layers_available() == 1
@@ -133,7 +132,7 @@ class DecoderStack:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last MLP's output, the residual stream), or None where the batch does not apply."""
         rows = hidden.shape[0]
-        if not 0 < rows <= AMX_MAX_ROWS or md.max_query_len > CPU_KERNEL_MAX_QUERY_LEN:
+        if rows == 0:
             return None
         if (
             md.num_actual_tokens != rows

@@ -1,15 +1,15 @@
-"""Linear layers on CPU with weights packed once, after loading, for the kernel that reads them.
+"""Linear layers on CPU with weights packed once, after loading, for csrc/linear_cpu.cpp.
 
-Where the CPU has AMX, a decode-sized batch (up to AMX_MAX_ROWS rows) runs csrc/linear_cpu.cpp,
-whose weights are packed in the order its tiles read them: a decode step is bound by reading
-every weight once, and that kernel streams them 1.2-1.4x faster than oneDNN does here. Larger
-batches (prefill) run `F.linear`, whose oneDNN kernels are faster there. Its results are the
-float32 sum rounded once, as oneDNN's are, but summed in its own order: not oneDNN's bits.
+Every bf16 or float32 matmul of a model runs that kernel, whatever the batch: bf16 on AMX tiles
+where the CPU has them, else with AVX512-BF16 dot products; float32 with AVX-512 FMAs. Each
+output element is summed over K in one fixed order and rounded once, so a request's results do
+not depend on the other rows of its batch, its row or the thread count (batch invariance;
+oneDNN's and MKL's kernels change their summation order with the number of rows, so `F.linear`
+is not the default for any batch). A decode step is bound by reading each weight once, and the
+packed panels stream at the memory's pace.
 
-Without AMX (AVX512-BF16 only), the weight is packed into oneDNN's blocked layout instead:
-`F.linear` on bf16 CPU tensors reorders the weight on every call, and packing it once (vLLM's
-process_weights_after_loading) makes decode-sized matmuls 30-60% faster, bit for bit the same.
-float32 keeps `F.linear`, whose results are the reference's to the bit.
+Where the kernel cannot be built, or PDSERVE_KERNEL_BACKEND=torch, `F.linear` runs (not batch
+invariant; the build failure is logged once).
 """
 
 from __future__ import annotations
@@ -27,20 +27,18 @@ from pdserve.kernels import backend, native
 
 logger = logging.getLogger(__name__)
 
-# Above this many rows oneDNN's kernels beat the AMX kernel (its activations no longer stay in L2).
-AMX_MAX_ROWS = 128
-# The panel geometry of linear_cpu.cpp: 32 features by blocks of 32 k.
-AMX_BLOCK_N, AMX_BLOCK_K = 32, 32
+# The panel geometry of packed_linear.h: 32 features; bf16 K in blocks of 32.
+BLOCK_N, BLOCK_K = 32, 32
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    data: torch.Tensor
+    data: torch.Tensor  # packed_linear.h's panels, in the weight's dtype
     out_features: int
     in_features: int
-    amx: bool  # csrc/linear_cpu.cpp's panels; otherwise oneDNN's blocked layout
 
 
 def _round_up(x: int, to: int) -> int:
@@ -49,55 +47,66 @@ def _round_up(x: int, to: int) -> int:
 
 @functools.cache
 def amx_available() -> bool:
-    """AMX's bf16 tiles exist and Linux granted this process their state (logged once if not)."""
+    """bf16 matmuls run on AMX tiles: the CPU has them and Linux granted this process their
+    state (logged once if not)."""
     lib = native.load("linear_cpu")
     if lib is None:
         return False
-    status = lib.pdserve_amx_enable()
-    if status != 0:
-        logger.info("No AMX bf16 tiles on this CPU; decode matmuls use oneDNN's packed weights.")
-    return status == 0
+    ready = lib.pdserve_amx_ready() == 1
+    if not ready:
+        logger.info("No AMX bf16 tiles on this CPU; bf16 matmuls use AVX512-BF16 dot products.")
+    return ready
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    if weight.dtype != torch.bfloat16 or not backend.use_cpu_kernels(weight.device):
-        return False
-    return amx_available() or (
-        torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (
+        weight.dtype in _DTYPES
+        and backend.use_cpu_kernels(weight.device)
+        and native.load("linear_cpu") is not None
     )
 
 
-def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> PackedWeight:
-    """The weight [out, in] packed for AMX, or for oneDNN batches of about `batch_size_hint`."""
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    """The weight [out, in] in packed_linear.h's panels."""
     n, k = weight.shape
-    if not amx_available():
-        data = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
-        return PackedWeight(data, n, k, amx=False)
-    data = torch.empty(_round_up(n, AMX_BLOCK_N) * _round_up(k, AMX_BLOCK_K), dtype=torch.bfloat16)
-    pack = native.function("linear_cpu", "pdserve_amx_pack", _P, _I64, _I64, _P)
+    if weight.dtype == torch.bfloat16:
+        data = torch.empty(_round_up(n, BLOCK_N) * _round_up(k, BLOCK_K), dtype=weight.dtype)
+        symbol = "pdserve_pack_bf16"
+    else:
+        data = torch.empty(_round_up(n, BLOCK_N) * k, dtype=weight.dtype)
+        symbol = "pdserve_pack_f32"
+    pack = native.function("linear_cpu", symbol, _P, _I64, _I64, _P)
     pack(weight.contiguous().data_ptr(), n, k, data.data_ptr())
-    return PackedWeight(data, n, k, amx=True)
+    return PackedWeight(data, n, k)
 
 
-def _amx_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear(
+    x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
     k, n = packed.in_features, packed.out_features
     x2 = x.reshape(-1, k)
+    if x2.dtype != packed.data.dtype:
+        x2 = x2.to(packed.data.dtype)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if k % AMX_BLOCK_K:
-        x2 = F.pad(x2, (0, AMX_BLOCK_K - k % AMX_BLOCK_K))
-    out = torch.empty((x2.shape[0], n), dtype=torch.bfloat16)
+    bf16 = packed.data.dtype == torch.bfloat16
+    if bf16 and k % BLOCK_K:
+        x2 = F.pad(x2, (0, BLOCK_K - k % BLOCK_K))
+    out = torch.empty((x2.shape[0], n), dtype=out_dtype)
     fn = native.function(
-        "linear_cpu", "pdserve_amx_linear", _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _INT
-    )
+        "linear_cpu", "pdserve_linear", _INT, _INT, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64,
+        _INT,
+    )  # fmt: skip
     fn(
+        _DTYPES[packed.data.dtype],
+        int(out_dtype == torch.float32),
         x2.data_ptr(),
         x2.shape[0],
         x2.shape[1],
         x2.stride(0),
         packed.data.data_ptr(),
         n,
-        bias.data_ptr() if bias is not None else None,
+        native.pointer(bias),
         out.data_ptr(),
         n,
         torch.get_num_threads(),
@@ -106,22 +115,27 @@ def _amx_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: PackedWeight | None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    if packed is None:
+    """x W^T + b in the weight's dtype, or in `out_dtype` (float32 for logits: the kernel's
+    float32 sums, not rounded to bf16 first)."""
+    out_dtype = out_dtype or weight.dtype
+    if packed is not None and x.numel():
+        return _packed_linear(x, packed, bias, out_dtype)
+    if out_dtype == weight.dtype:
         return F.linear(x, weight, bias)
-    if not packed.amx:
-        return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
-    rows = x.numel() // packed.in_features
-    if 0 < rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
-        return _amx_linear(x, packed, bias)
-    return F.linear(x, weight, bias)
+    # One rounding, as the kernel's: float32 sums of the weight's values.
+    return F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.float())
 
 
-def pack_linear_weights(model: nn.Module, batch_size_hint: int) -> int:
+def pack_linear_weights(model: nn.Module) -> int:
     """Pack the weight of every module that takes one (`packed_weight` attribute); returns how
-    many were packed. The dense weight stays: prefill batches, checkpoints, tied embeddings and
-    the KV-free reference paths read it."""
+    many were packed. The dense weight stays: checkpoints, tied embeddings and the KV-free
+    reference paths read it."""
     num_packed = 0
     lm_head = getattr(model, "lm_head", None)
     for module in model.modules():
@@ -129,9 +143,9 @@ def pack_linear_weights(model: nn.Module, batch_size_hint: int) -> int:
         if hasattr(module, "compute_logits") and module is not lm_head:
             continue
         if hasattr(module, "packed_weight") and can_pack(module.weight):
-            module.packed_weight = pack_weight(module.weight, batch_size_hint)
+            module.packed_weight = pack_weight(module.weight)
             num_packed += 1
     if num_packed:
-        kind = "AMX" if amx_available() else "oneDNN"
-        logger.info("Packed %d linear weights for %s.", num_packed, kind)
+        kind = "AMX" if amx_available() else "AVX-512"
+        logger.info("Packed %d linear weights (bf16 on %s).", num_packed, kind)
     return num_packed

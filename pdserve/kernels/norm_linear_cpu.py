@@ -1,5 +1,5 @@
-"""An RMSNorm and the matmuls after it in one call into csrc/linear_cpu.cpp, for decode-sized
-bf16 batches on AMX: the input norm and q/k/v, and the post-attention norm and the gated MLP.
+"""An RMSNorm and the matmuls after it in one call into csrc/linear_cpu.cpp, for bf16 batches
+(AMX or AVX512-BF16): the input norm and q/k/v, and the post-attention norm and the gated MLP.
 A decode step runs these once per layer, and in the engine each Python call around a kernel
 costs more than the kernel (its interpreter state is evicted by the weights streaming past):
 one call replaces two, or four. The bits are the steps' (each runs the same C function as its
@@ -8,21 +8,33 @@ own kernel). Each returns None where it does not apply, and the caller runs the 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from pdserve.kernels import backend, native
-from pdserve.kernels.linear import AMX_BLOCK_K, AMX_MAX_ROWS, PackedWeight
+from pdserve.kernels.linear import BLOCK_K, PackedWeight
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
+@functools.cache
+def _fused_available() -> bool:
+    lib = native.load("linear_cpu")
+    return lib is not None and lib.pdserve_fused_available() == 1
+
+
 def _applies(x: torch.Tensor, residual: torch.Tensor | None, *weights: PackedWeight | None) -> bool:
-    """bf16 rows of adjacent features, a decode-sized batch, AMX-packed weights whose K is whole
-    32-k blocks."""
-    if not all(w is not None and w.amx and w.in_features % AMX_BLOCK_K == 0 for w in weights):
+    """bf16 rows of adjacent features, bf16-packed weights whose K is whole 32-k blocks, and a
+    library built with the fused calls (AVX512-BF16)."""
+    if not all(
+        w is not None and w.data.dtype == torch.bfloat16 and w.in_features % BLOCK_K == 0
+        for w in weights
+    ):
         return False
-    if x.dim() != 2 or not 0 < x.shape[0] <= AMX_MAX_ROWS or x.shape[1] % AMX_BLOCK_K:
+    if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] % BLOCK_K:
+        return False
+    if not _fused_available():
         return False
     rows = (x,) if residual is None else (x, residual)
     return all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in rows) and (
@@ -43,7 +55,7 @@ def norm_linear(
         return None
     assert weight is not None
     fn = native.function(
-        "linear_cpu", "pdserve_amx_norm_linear", _P, _P, _I64, _I64, _P, _F, _I64, _I64, _P, _I64,
+        "linear_cpu", "pdserve_norm_linear", _P, _P, _I64, _I64, _P, _F, _I64, _I64, _P, _I64,
         _P, _P, _P, _INT,
     )  # fmt: skip
     rows, hidden = x.shape
@@ -83,7 +95,7 @@ def norm_mlp(
         return None
     assert gate_up is not None and down is not None
     fn = native.function(
-        "linear_cpu", "pdserve_amx_norm_mlp", _P, _P, _I64, _I64, _P, _F, _I64, _I64, _P, _P,
+        "linear_cpu", "pdserve_norm_mlp", _P, _P, _I64, _I64, _P, _F, _I64, _I64, _P, _P,
         _I64, _P, _P, _P, _P, _INT,
     )  # fmt: skip
     rows, hidden = x.shape

@@ -1,5 +1,5 @@
 """Which Llama stages the native decoder stack (kernels/decoder_cpu.py) serves, and their
-weights gathered for it: plain Llama layers (Llama, Qwen2, Mistral) with AMX-packed projections on
+weights gathered for it: plain Llama layers (Llama, Qwen2, Mistral) with bf16-packed projections on
 one TP rank, one RMSNorm epsilon throughout. Q/k norms (Qwen3), MoE MLPs and TP > 1 run their
 layers one by one."""
 
@@ -14,7 +14,7 @@ from pdserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
 def _stack_weights(layer: nn.Module) -> LayerWeights | None:
     """A layer's weights for the native decoder stack; None where it is not plain Llama with
-    AMX-packed projections on one TP rank."""
+    bf16-packed projections on one TP rank."""
     if not isinstance(layer, LlamaDecoderLayer) or not isinstance(layer.mlp, LlamaMLP):
         return None
     attn, mlp = layer.self_attn, layer.mlp

@@ -72,7 +72,7 @@ class ModelRunnerBase:
     def load_model(self) -> None:
         mc = self.model_config
         self.model = loader.load_model(mc.hf_config, mc.source, self.dtype, self.device)
-        pack_linear_weights(self.model, self.max_num_reqs)
+        pack_linear_weights(self.model)
         # Read now: runner V2 may later wrap the model in its CUDA graphs.
         self.kv_cache_geometry = kv_cache_geometry(self.model)
 

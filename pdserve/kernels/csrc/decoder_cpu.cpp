@@ -1,21 +1,21 @@
 // A Llama decoder stack's decode step in one call: per layer the input norm and q/k/v, rotary +
 // cache write + attention, o_proj, and the post-attention norm and gated MLP, each the same
-// code as its own kernel (amx_linear.h, paged_attention.h), so the bits are the per-layer
+// code as its own kernel (packed_linear.h, paged_attention.h), so the bits are the per-layer
 // path's. In the engine the Python around each kernel call costs more than the kernel (the
 // weights streaming past evict the interpreter's state); this leaves one call per step.
-// Built and loaded by pdserve/kernels/native.py; without AMX nothing but
+// Built and loaded by pdserve/kernels/native.py; without AVX512-BF16 nothing but
 // pdserve_decoder_layers_available is built.
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include "amx_linear.h"
+#include "packed_linear.h"
 #include "paged_attention.h"
 
-#ifdef PDSERVE_AMX
+#ifdef PDSERVE_AVX512_BF16
 namespace {
 
-// One layer's weights (packed for AMX; biases and the cache view as the model holds them).
+// One layer's weights (packed by packed_linear.h; biases and the cache view as the model holds them).
 struct LayerWeights {
   const T* input_norm;
   const T* qkv;
@@ -64,18 +64,18 @@ void pdserve_decoder_layers(const LayerWeights* layers, T* const* caches, int64_
     const LayerWeights& w = layers[l];
     if (l == 0 && residual == nullptr) {
       std::memcpy(stream.data(), x, m * d * sizeof(T));
-      amx_norm_linear(x, nullptr, d, 0, w.input_norm, s->eps, m, d, w.qkv, qkv_size, w.qkv_bias,
+      norm_linear(x, nullptr, d, 0, w.input_norm, s->eps, m, d, w.qkv, qkv_size, w.qkv_bias,
                       nullptr, qkv.data(), num_threads);
     } else {
-      amx_norm_linear(x, stream.data(), d, d, w.input_norm, s->eps, m, d, w.qkv, qkv_size,
+      norm_linear(x, stream.data(), d, d, w.input_norm, s->eps, m, d, w.qkv, qkv_size,
                       w.qkv_bias, stream.data(), qkv.data(), num_threads);
     }
     rope_attend<BF16>(qkv.data(), qkv_size, positions, cos_sin, caches[l],
                       slot_mapping, m, g->block_size, block_table, query_start_loc, seq_lens,
                       attended.data(), num_reqs, num_threads, *g);
-    amx_linear(attended.data(), m, q_size, q_size, w.o, d, w.o_bias, projected.data(), d,
+    packed_linear(attended.data(), m, q_size, q_size, w.o, d, w.o_bias, projected.data(), d,
                num_threads);
-    amx_norm_mlp(projected.data(), stream.data(), d, d, w.post_norm, s->eps, m, d, w.gate_up,
+    norm_mlp(projected.data(), stream.data(), d, d, w.post_norm, s->eps, m, d, w.gate_up,
                  w.gate_up_bias, s->intermediate, w.down, w.down_bias, stream.data(), out.data(),
                  num_threads);
     x = out.data();

@@ -66,6 +66,23 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
   }
 }
 
+// A request's query tokens in runs of kTokensPerItem: with a long prompt's tokens spread over
+// the threads, one prefill keeps every core busy. Each token's result is the same whatever run
+// it falls in (its keys in order, one softmax), so the split changes no bits.
+constexpr int64_t kTokensPerItem = 16;
+
+struct TokenRun {
+  int64_t req, begin, end;
+};
+
+inline std::vector<TokenRun> token_runs(const int32_t* query_start_loc, int64_t num_reqs) {
+  std::vector<TokenRun> runs;
+  for (int64_t req = 0; req < num_reqs; ++req)
+    for (int64_t t = query_start_loc[req]; t < query_start_loc[req + 1]; t += kTokensPerItem)
+      runs.push_back({req, t, std::min<int64_t>(t + kTokensPerItem, query_start_loc[req + 1])});
+  return runs;
+}
+
 struct Geometry {
   int64_t num_heads, num_kv_heads, head_dim, block_size;
   int64_t stride_q_token, stride_out_token;
@@ -80,16 +97,19 @@ void attend(const typename K::T* query, const typename K::T* cache, const int32_
   using T = typename K::T;
   const int64_t group = g.num_heads / g.num_kv_heads, dim = g.head_dim;
   // Torch's thread count, passed in: the OpenMP default of the calling thread may differ.
+  const std::vector<TokenRun> runs = token_runs(query_start_loc, num_reqs);
+  const int64_t num_items = int64_t(runs.size()) * g.num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
   {
   std::vector<float> q(group * dim), acc(group * dim), scores, row(4 * dim);
 #pragma omp for schedule(dynamic)
-  for (int64_t item = 0; item < num_reqs * g.num_kv_heads; ++item) {
-    const int64_t req = item / g.num_kv_heads, kv_head = item % g.num_kv_heads;
+  for (int64_t item = 0; item < num_items; ++item) {
+    const TokenRun& run = runs[item / g.num_kv_heads];
+    const int64_t req = run.req, kv_head = item % g.num_kv_heads;
     const int32_t* table = block_table + req * g.stride_block_table;
     const int64_t q_begin = query_start_loc[req], q_end = query_start_loc[req + 1];
     const int64_t context = seq_lens[req] - (q_end - q_begin);
-    for (int64_t token = q_begin; token < q_end; ++token) {
+    for (int64_t token = run.begin; token < run.end; ++token) {
       const int64_t num_keys = context + (token - q_begin) + 1;  // causal: up to its own position
       scores.resize(group * num_keys);
       for (int64_t h = 0; h < group; ++h) {
@@ -260,19 +280,22 @@ void attend_bf16(const uint16_t* query, const uint16_t* cache, const int32_t* bl
       accumulate_all_values<4>, accumulate_all_values<5>, accumulate_all_values<6>,
       accumulate_all_values<7>, accumulate_all_values<8>};
   const Accumulate accumulate = kAccumulate[group - 1];
+  const std::vector<TokenRun> runs = token_runs(query_start_loc, num_reqs);
+  const int64_t num_items = int64_t(runs.size()) * g.num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
   {
   std::vector<uint16_t> q(group * dim);
   std::vector<float> acc(group * dim), scores;
-  // A request's KV heads on one thread, one after the other: they share each slot's cache
+  // A run's KV heads on one thread, one after the other: they share each slot's cache
   // lines, so the lines one head brought in serve the next.
 #pragma omp for schedule(dynamic, g.num_kv_heads)
-  for (int64_t item = 0; item < num_reqs * g.num_kv_heads; ++item) {
-    const int64_t req = item / g.num_kv_heads, kv_head = item % g.num_kv_heads;
+  for (int64_t item = 0; item < num_items; ++item) {
+    const TokenRun& run = runs[item / g.num_kv_heads];
+    const int64_t req = run.req, kv_head = item % g.num_kv_heads;
     const int32_t* table = block_table + req * g.stride_block_table;
     const int64_t q_begin = query_start_loc[req], q_end = query_start_loc[req + 1];
     const int64_t context = seq_lens[req] - (q_end - q_begin);
-    for (int64_t token = q_begin; token < q_end; ++token) {
+    for (int64_t token = run.begin; token < run.end; ++token) {
       const int64_t num_keys = context + (token - q_begin) + 1;  // causal: up to its own position
       // Rounded up to whole vectors: the last store of a row may write (and then ignore) lanes
       // past num_keys, never into the next head's row.

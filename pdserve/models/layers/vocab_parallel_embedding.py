@@ -57,9 +57,10 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] of hidden states [N, embedding_dim], as an LM head, in the weights'
-        dtype: the sampler computes in float32 where it needs to (a greedy argmax does not)."""
-        logits = linear(hidden_states, self.weight, None, self.packed_weight)
+        """Logits [N, vocab] of hidden states [N, embedding_dim], as an LM head, in float32: the
+        kernel's float32 sums, never rounded to bf16 (bf16 logits tie where float32 ones do not,
+        and argmax would break the tie by token id)."""
+        logits = linear(hidden_states, self.weight, None, self.packed_weight, torch.float32)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits

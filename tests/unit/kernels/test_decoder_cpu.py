@@ -10,39 +10,42 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels.linear import amx_available, pack_linear_weights
+from pdserve.kernels.linear import pack_linear_weights
+from pdserve.kernels.norm_linear_cpu import _fused_available
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_source
-from tests.utils.paged_batch import build_step, make_kv_cache, run_step
+from tests.utils.paged_batch import make_kv_cache, run_step
 from tests.utils.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not amx_available(), reason="no AMX bf16 tiles on this CPU")
+pytestmark = pytest.mark.skipif(not _fused_available(), reason="no AVX512-BF16 on this CPU")
 
 
 def _models(arch: str, tmp_path: Path):
     path = make_tiny_model(arch, tmp_path / arch)
     source = resolve_model_source(str(path))
     model = load_model(load_hf_config(source), source, torch.bfloat16, "cpu")
-    pack_linear_weights(model, 64)
+    pack_linear_weights(model)
     per_layer = copy.deepcopy(model)
     per_layer.model._stack_checked = True  # never gathered: the layers run one by one
     return model, per_layer
 
 
-# A short prompt (7 tokens, one chunk), a decode after it, a prompt that fills blocks, and a
-# step of three decodes: every step within the stack's batches (<= 128 rows, <= 64 per query).
+# A short prompt (7 tokens, one chunk), a decode after it, a prompt that fills blocks, a step
+# of three decodes, a long prompt and a batch of 129 rows: the stack takes every batch.
 STEPS = [
     [("a", [5, 9, 2, 7, 11, 3, 4])],
     [("a", [8]), ("b", list(range(20, 60)))],
     [("a", [1]), ("b", [2]), ("c", [3, 4, 5])],
     [("a", [6]), ("b", [7]), ("c", [9])],
+    [("d", list(range(100)))],
+    [(f"r{i}", [3, 4, 5]) for i in range(43)],
 ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_stack_gives_the_layers_bits(arch: str, tmp_path: Path) -> None:
     model, per_layer = _models(arch, tmp_path)
-    kv_stack = make_kv_cache(model.config, dtype=torch.bfloat16)
-    kv_layers = make_kv_cache(model.config, dtype=torch.bfloat16)
+    kv_stack = make_kv_cache(model.config, dtype=torch.bfloat16, num_blocks=256)
+    kv_layers = make_kv_cache(model.config, dtype=torch.bfloat16, num_blocks=256)
     with torch.inference_mode():
         for step in STEPS:
             got = run_step(model, kv_stack, step)
@@ -59,19 +62,3 @@ def test_models_outside_plain_llama_run_their_layers(arch: str, tmp_path: Path) 
     with torch.inference_mode():
         run_step(model, make_kv_cache(model.config, dtype=torch.bfloat16), STEPS[0])
     assert model.model._stack is None  # q/k norms (qwen3), an MoE MLP (qwen2_moe)
-
-
-def test_long_prompts_and_large_batches_run_the_layers(tmp_path: Path) -> None:
-    model, _ = _models("llama", tmp_path)
-    kv = make_kv_cache(model.config, dtype=torch.bfloat16, num_blocks=256)
-    with torch.inference_mode():
-        run_step(model, kv, STEPS[0])
-        stack = model.model._stack
-        assert stack is not None
-        hidden = model.model.embed_tokens
-        for step in (
-            [("x", list(range(100)))],  # a query over 64 tokens: SDPA's prompt path
-            [(f"r{i}", [3, 4, 5]) for i in range(43)],  # 129 rows: prefill-sized matmuls
-        ):
-            input_ids, positions, md = build_step(kv, step)
-            assert stack.forward(hidden(input_ids), None, positions, kv.layer_caches, md) is None
