@@ -185,7 +185,7 @@ def build_proxy_app(
             )
 
         tokens = prompts.of(req)
-        hashes = routers["prefill"].hashes(tokens)
+        hashes = routers["prefill"].hashes(tokens, req.cache_salt)
         decode_route = routers["decode"].pick(hashes)
         prefill_start = time.perf_counter()
         why_local = None

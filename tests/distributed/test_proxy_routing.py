@@ -85,10 +85,9 @@ def proxy(instances: dict[str, list[RemoteServer]], model: str) -> Iterator[Remo
         assert proxy.stop() == []
 
 
-def send(proxy: RemoteServer, model: str, prompt: list[int]) -> httpx.Response:
-    resp = httpx.post(
-        f"{proxy.url}/v1/completions", json=greedy_body(model, prompt, MAX_TOKENS), timeout=60
-    )
+def send(proxy: RemoteServer, model: str, prompt: list[int], **fields: object) -> httpx.Response:
+    body = {**greedy_body(model, prompt, MAX_TOKENS), **fields}
+    resp = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp
 
@@ -158,6 +157,13 @@ def test_short_uncached_prompt_skips_the_prefill_leg(
         resp = send(proxy, model, long + [7, 8, 9])
         assert resp.headers["X-PD-Path"] == "local; reason=policy"
         assert tokens(resp) == hf_greedy(Path(model), [long + [7, 8, 9]], MAX_TOKENS)[0]
+        # The proxy salts its hashes as the instances do: under a cache_salt the blocks above
+        # count for nothing, and a follow-up finds its own salt's.
+        salt = "tenant-a"
+        assert send(proxy, model, long + [7, 8], cache_salt=salt).headers["X-PD-Path"] == "remote"
+        time.sleep(0.2)
+        resp = send(proxy, model, long + [7, 8, 9], cache_salt=salt)
+        assert resp.headers["X-PD-Path"] == "local; reason=policy"
         assert proxy.stop() == []
 
 
