@@ -1,7 +1,9 @@
-"""Calls into csrc/elementwise_cpu.cpp: RMSNorm, rotary embedding and SiLU-and-mul on CPU in
-one pass each. bfloat16 only: float32 keeps the torch references, whose bits are HF's (the
-token-exact tests compare those). Each returns None where it does not apply, and the caller
-runs its reference."""
+"""Calls into csrc/elementwise_cpu.cpp: RMSNorm, rotary embedding, SiLU-and-mul and a sigmoid
+gate on CPU in one pass each, in bfloat16 and float32. Each element's result depends only on its
+row: torch's float32 kernels run a batch's last elements (and each thread's) through scalar
+code whose exp differs from the vector one in the last bit, so their bits would depend on the
+batch (batch invariance). Each returns None where it does not apply, and the caller runs its
+reference."""
 
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ import torch
 from pdserve.kernels import backend, native
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_BF16 = 1
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.bfloat16 for t in tensors) and backend.use_cpu_kernels(
-        tensors[0].device
+    dtype = tensors[0].dtype
+    return (
+        dtype in _DTYPES
+        and all(t.dtype == dtype for t in tensors)
+        and backend.use_cpu_kernels(tensors[0].device)
     )
 
 
@@ -44,7 +49,7 @@ def rms_norm(
     out = torch.empty(x2.shape, dtype=x.dtype)
     residual_out = torch.empty_like(out) if residual is not None else None
     fn(
-        _BF16,
+        _DTYPES[x.dtype],
         x2.data_ptr(),
         residual2.data_ptr() if residual2 is not None else None,
         weight.contiguous().data_ptr(),
@@ -80,7 +85,7 @@ def rotary_embedding(
             x = x.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype)
         fn(
-            _BF16,
+            _DTYPES[x.dtype],
             positions.data_ptr(),
             x.data_ptr(),
             out.data_ptr(),
@@ -108,5 +113,38 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     x2 = _rows(x)
     d = x2.shape[1] // 2
     out = torch.empty(x2.shape[0], d, dtype=x.dtype)
-    fn(_BF16, x2.data_ptr(), out.data_ptr(), x2.shape[0], d, x2.stride(0), torch.get_num_threads())
+    fn(
+        _DTYPES[x.dtype],
+        x2.data_ptr(),
+        out.data_ptr(),
+        x2.shape[0],
+        d,
+        x2.stride(0),
+        torch.get_num_threads(),
+    )
     return out.view(*x.shape[:-1], d)
+
+
+def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(gate) * x for gate [T, 1] and x [T, d], each row's bits its own."""
+    if _applies(gate, x) and gate.dim() == 2 and gate.shape[1] == 1:
+        fn = native.function(
+            "elementwise_cpu", "pdserve_sigmoid_mul", _INT, _P, _I64, _P, _P, _I64, _I64, _I64,
+            _INT,
+        )  # fmt: skip
+        if fn is not None:
+            x2 = _rows(x)
+            out = torch.empty(x2.shape, dtype=x.dtype)
+            fn(
+                _DTYPES[x.dtype],
+                gate.data_ptr(),
+                gate.stride(0),
+                x2.data_ptr(),
+                out.data_ptr(),
+                x2.shape[0],
+                x2.shape[1],
+                x2.stride(0),
+                torch.get_num_threads(),
+            )
+            return out
+    return torch.sigmoid(gate) * x

@@ -133,8 +133,8 @@ def linear(
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Pack the weight of every module that takes one (`packed_weight` attribute); returns how
-    many were packed. The dense weight stays: checkpoints, tied embeddings and the KV-free
+    """Pack the weight of every module that takes one (`packed_weight` attribute), and each
+    expert's of an MoE layer (`packed_experts`); returns how many were packed. The dense weight stays: checkpoints, tied embeddings and the KV-free
     reference paths read it."""
     num_packed = 0
     lm_head = getattr(model, "lm_head", None)
@@ -145,6 +145,12 @@ def pack_linear_weights(model: nn.Module) -> int:
         if hasattr(module, "packed_weight") and can_pack(module.weight):
             module.packed_weight = pack_weight(module.weight)
             num_packed += 1
+        elif hasattr(module, "packed_experts") and can_pack(module.w13_weight):
+            module.packed_experts = [
+                (pack_weight(w13), pack_weight(w2))
+                for w13, w2 in zip(module.w13_weight, module.w2_weight, strict=True)
+            ]
+            num_packed += 2 * len(module.packed_experts)
     if num_packed:
         kind = "AMX" if amx_available() else "AVX-512"
         logger.info("Packed %d linear weights (bf16 on %s).", num_packed, kind)

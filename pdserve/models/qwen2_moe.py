@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pdserve.kernels.elementwise_cpu import sigmoid_mul
 from pdserve.models.layers.fused_moe import FusedMoE
 from pdserve.models.layers.linear import ReplicatedLinear
 from pdserve.models.llama import LlamaForCausalLM, LlamaMLP
@@ -34,8 +35,8 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, False, params_dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(
-            hidden_states
+        shared = sigmoid_mul(
+            self.shared_expert_gate(hidden_states), self.shared_expert(hidden_states)
         )
         return self.experts(hidden_states, self.gate(hidden_states)) + shared
 

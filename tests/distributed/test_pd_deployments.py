@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -169,6 +170,8 @@ def test_decode_killed_under_load(tiny_model: Callable[[str], str]) -> None:
 
 
 def test_default_model_through_proxy_matches_single_instance() -> None:
+    """bf16, the default model: the split under concurrent load answers each prompt with the
+    tokens a single instance gives it alone (batch invariance), and knows Paris."""
     prompts = [
         "What is the capital of France?",
         "Name three primary colors.",
@@ -177,40 +180,44 @@ def test_default_model_through_proxy_matches_single_instance() -> None:
     ] * 4
     single = RemoteServer(["serve"], startup_timeout=600)
     try:
-        model = single.client().models.list().data[0].id
-        expected = [
-            single.client()
-            .chat.completions.create(
+        client = single.client()
+        model = client.models.list().data[0].id
+        answers = [
+            client.chat.completions.create(
                 model=model,
                 messages=[{"role": "user", "content": p}],
                 max_tokens=16,
                 temperature=0,
-            )
-            .choices[0]
-            .model_extra["token_ids"]
+            ).choices[0]
             for p in prompts[:4]
         ]
     finally:
         single.stop()
+    assert "Paris" in answers[0].message.content
+    expected = [a.model_extra["token_ids"] for a in answers]
     with RemoteServer(["launch", "--pd-min-uncached-tokens", "0"], startup_timeout=900) as proxy:
         client = proxy.client(timeout=300)
-        for i, p in enumerate(prompts):
-            messages = [{"role": "user", "content": p}]
-            out = client.chat.completions.create(
-                model=model, messages=messages, max_tokens=16, temperature=0
-            )
-            assert out.choices[0].model_extra["token_ids"] == expected[i % 4]
-            if i < 4:
+
+        def ask(i: int) -> list[int]:
+            messages = [{"role": "user", "content": prompts[i]}]
+            if i < 4:  # streamed
                 chunks = client.chat.completions.create(
                     model=model, messages=messages, max_tokens=16, temperature=0, stream=True
                 )
-                ids = [
+                return [
                     t
                     for c in chunks
                     if c.choices
                     for t in c.choices[0].model_extra.get("token_ids", [])
                 ]
-                assert ids == expected[i]
+            out = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=16, temperature=0
+            )
+            return out.choices[0].model_extra["token_ids"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(ask, range(len(prompts))))
+        assert got == [expected[i % 4] for i in range(len(prompts))]
         wait_all_pools_full(proxy)
         assert proxy.stop() == []
 

@@ -1,6 +1,6 @@
 // The small kernels between the matmuls of a decoder layer, each one pass over its rows where
 // the torch reference takes five to ten: RMSNorm (with the residual add before it), rotary
-// embedding, SiLU-and-mul. They round where the reference rounds (after every operation in
+// embedding, SiLU-and-mul, a sigmoid gate. They round where the reference rounds (after every operation in
 // the activation dtype), so they differ from it only in the order of the variance sum and in
 // the last bit of SiLU's exp.
 // Built and loaded by pdserve/kernels/native.py; rows split over torch's OpenMP threads.
@@ -65,6 +65,22 @@ void silu_and_mul(const typename K::T* x, typename K::T* out, int64_t rows, int6
   }
 }
 
+// out[r] = sigmoid(gate[r]) * x[r]: a gate of one value per row (Qwen2-MoE's shared expert).
+// One exp per row, computed inside the row's loop: the same code for every row, where a
+// vectorized loop over the gates would give a batch's last rows a scalar exp of other bits.
+template <typename K>
+void sigmoid_mul(const typename K::T* gate, int64_t stride_gate, const typename K::T* x,
+                 typename K::T* out, int64_t rows, int64_t d, int64_t stride_x, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * d >= kParallelMinElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float g = K::load(gate[r * stride_gate]);
+    const float s = rounded<K>(1.f / (1.f + std::exp(-g)));
+    const typename K::T* xr = x + r * stride_x;
+    typename K::T* o = out + r * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = K::store(s * K::load(xr[i]));
+  }
+}
+
 }  // namespace
 
 // dtype: 0 float32, 1 bfloat16. `residual` may be null (then `residual_out` is unused).
@@ -118,4 +134,16 @@ extern "C" void pdserve_silu_and_mul(int dtype, const void* x, void* out, int64_
     silu_and_mul<BF16>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, d,
                        stride_x, num_threads);
 #endif
+}
+
+extern "C" void pdserve_sigmoid_mul(int dtype, const void* gate, int64_t stride_gate,
+                                    const void* x, void* out, int64_t rows, int64_t d,
+                                    int64_t stride_x, int num_threads) {
+  if (dtype == 0)
+    sigmoid_mul<F32>(static_cast<const float*>(gate), stride_gate, static_cast<const float*>(x),
+                     static_cast<float*>(out), rows, d, stride_x, num_threads);
+  else
+    sigmoid_mul<BF16>(static_cast<const uint16_t*>(gate), stride_gate,
+                      static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, d,
+                      stride_x, num_threads);
 }

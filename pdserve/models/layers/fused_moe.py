@@ -16,6 +16,8 @@ from pdserve.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from pdserve.kernels.linear import PackedWeight, linear
+from pdserve.models.layers.activation import SiluAndMul
 from pdserve.models.utils import default_weight_loader, shard_tensor
 
 
@@ -62,6 +64,11 @@ class FusedMoE(nn.Module):
         )
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        # Each expert's (w13, w2), set after loading where they can be packed (kernels/linear.py):
+        # an expert's share of a batch varies with the batch, and only the packed kernel sums
+        # each row in one order at any number of rows.
+        self.packed_experts: list[tuple[PackedWeight, PackedWeight]] | None = None
+        self.act_fn = SiluAndMul()
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert_id: int
@@ -87,9 +94,11 @@ class FusedMoE(nn.Module):
         # Only the experts some token chose, in expert order (HF's order, so sums match).
         for expert_id in topk_ids.unique().tolist():
             token_idx, k_idx = torch.where(topk_ids == expert_id)
-            gate, up = F.linear(hidden_states[token_idx], self.w13_weight[expert_id]).chunk(
-                2, dim=-1
+            w13, w2 = self.w13_weight[expert_id], self.w2_weight[expert_id]
+            packed13, packed2 = (
+                self.packed_experts[expert_id] if self.packed_experts else (None, None)
             )
-            expert_out = F.linear(F.silu(gate) * up, self.w2_weight[expert_id])
+            gate_up = linear(hidden_states[token_idx], w13, None, packed13)
+            expert_out = linear(self.act_fn(gate_up), w2, None, packed2)
             out.index_add_(0, token_idx, expert_out * topk_weights[token_idx, k_idx, None])
         return tensor_model_parallel_all_reduce(out)
