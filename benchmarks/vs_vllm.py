@@ -9,6 +9,11 @@ Set-up, once: vLLM lives in its own virtual environment (it pins its own torch a
 
 Usage: .venv/bin/python benchmarks/vs_vllm.py [--model default|tiny|PATH] [--num-prompts 64]
        [--output-len 128] [--rounds 2] [--vllm-python V/bin/python] [--enforce-eager]
+       [--baseline DIR]
+
+--baseline DIR adds a third engine to each round: pdserve imported from another checkout (say
+`git worktree add DIR <commit>`), in this environment, so that a change's cost is measured
+before and after in the same run, alternating with the others.
 
 Models: `default` is SmolLM2-135M-Instruct written by `pdserve export` (cached under
 --cache-dir); `tiny` a random 2-layer llama with head size 64 (vLLM's CPU attention takes head
@@ -206,8 +211,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--check-prompts", type=int, default=8)
+    parser.add_argument("--baseline", type=Path, help="a pdserve checkout to run beside this one")
     args = parser.parse_args()
     check_common_args(parser, args)
+    if args.baseline is not None and not (args.baseline / "pdserve").is_dir():
+        parser.error(f"--baseline {args.baseline} is not a pdserve checkout")
     stop_on_sigterm()
 
     from pdserve.config import ModelConfig
@@ -223,6 +231,7 @@ def main() -> None:
         "check_prompts": args.check_prompts,
     }
     pythons = {"pdserve": Path(sys.executable), "vllm": args.vllm_python}
+    engines = ("baseline", *ENGINES) if args.baseline else ENGINES
 
     runs: list[dict] = []
     print(
@@ -230,20 +239,25 @@ def main() -> None:
         f"{'tok/s':>9}{'load':>7}"
     )
     for round_ in range(1, args.rounds + 1):
-        for engine in ENGINES:
+        for engine in engines:
             log = args.cache_dir / "logs" / f"vs_vllm-{model.name}-{engine}-{round_}.log"
             # The machine's 1-minute load average as the run starts: on shared cores, the
             # context of each figure.
             load = os.getloadavg()[0]
+            runs_as = "pdserve" if engine == "baseline" else engine
+            env = engine_env(runs_as, args.threads, args.kv_cache_gib)
+            if engine == "baseline":
+                # Ahead of the editable install on the path: the driver imports its pdserve.
+                env["PYTHONPATH"] = str(args.baseline.resolve())
             result = run_engine(
-                engine,
-                {**job, "engine_args": engine_args(engine, model, args)},
-                pythons[engine],
-                engine_env(engine, args.threads, args.kv_cache_gib),
+                runs_as,
+                {**job, "engine_args": engine_args(runs_as, model, args)},
+                pythons[runs_as],
+                env,
                 log,
             )
             assert result["num_tokens"] == args.num_prompts * args.output_len, result["num_tokens"]
-            runs.append({**result, "round": round_, "load": load})
+            runs.append({**result, "engine": engine, "round": round_, "load": load})
             print(
                 f"{round_:<7}{engine:<9}{result['startup_s']:>11.1f}{result['warmup_s']:>11.2f}"
                 f"{result['generate_s']:>12.2f}{result['tok_s']:>9.1f}{load:>7.1f}",
@@ -255,19 +269,19 @@ def main() -> None:
             key: statistics.median(r[key] for r in runs if r["engine"] == engine)
             for key in ("startup_s", "warmup_s", "generate_s", "tok_s")
         }
-        for engine in ENGINES
+        for engine in engines
     }
-    first = {engine: next(r for r in runs if r["engine"] == engine) for engine in ENGINES}
+    first = {engine: next(r for r in runs if r["engine"] == engine) for engine in engines}
     matching, prefixes = agreement(first["pdserve"]["token_ids"], first["vllm"]["token_ids"])
     stable = {
         engine: all(
             r["token_ids"] == first[engine]["token_ids"] for r in runs if r["engine"] == engine
         )
-        for engine in ENGINES
+        for engine in engines
     }
     ratio = median["pdserve"]["tok_s"] / median["vllm"]["tok_s"]
     startup_ratio = median["pdserve"]["startup_s"] / median["vllm"]["startup_s"]
-    for engine in ENGINES:
+    for engine in engines:
         m = median[engine]
         print(
             f"{'median':<7}{engine:<9}{m['startup_s']:>11.1f}{m['warmup_s']:>11.2f}"
@@ -280,6 +294,10 @@ def main() -> None:
         f"vLLM {first['vllm']['version']} {mode}, {args.threads} threads, medians of "
         f"{args.rounds} rounds)"
     )
+    vs_baseline = None
+    if args.baseline:
+        vs_baseline = median["pdserve"]["tok_s"] / median["baseline"]["tok_s"]
+        print(f"ratio pdserve / baseline ({first['baseline']['source']}): {vs_baseline:.3f}x tok/s")
     print(
         f"greedy agreement: {matching}/{len(prefixes)} of the first prompts identical over "
         f"{args.output_len} tokens; common prefix lengths {prefixes}; "
@@ -296,11 +314,12 @@ def main() -> None:
                 "rounds": args.rounds,
                 "threads": args.threads,
                 "vllm_version": first["vllm"]["version"],
-                "sources": {engine: first[engine]["source"] for engine in ENGINES},
+                "sources": {engine: first[engine]["source"] for engine in engines},
                 "vllm_mode": mode,
                 "pdserve_tok_s": round(median["pdserve"]["tok_s"], 1),
                 "vllm_tok_s": round(median["vllm"]["tok_s"], 1),
                 "ratio": round(ratio, 3),
+                "ratio_vs_baseline": vs_baseline and round(vs_baseline, 3),
                 "pdserve_startup_s": round(median["pdserve"]["startup_s"], 1),
                 "vllm_startup_s": round(median["vllm"]["startup_s"], 1),
                 "startup_ratio": round(startup_ratio, 3),

@@ -19,7 +19,7 @@ import httpx
 import openai
 
 PROMPTS = [
-    "What is the capital of France? Answer in one sentence.",
+    "What is the capital of France?",
     "Name three primary colors.",
     "Write one sentence about the ocean.",
 ]
