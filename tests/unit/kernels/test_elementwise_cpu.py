@@ -90,9 +90,22 @@ def test_silu_and_mul_matches_reference(num_rows: int, width: int) -> None:
     assert (out != expected).float().mean() < 0.01
 
 
-def test_float32_and_forced_torch_run_the_references(monkeypatch: pytest.MonkeyPatch) -> None:
-    x = torch.randn(3, 8)
-    assert elementwise_cpu.rms_norm(x, None, torch.ones(8), 1e-5) is None
-    assert elementwise_cpu.silu_and_mul(x) is None
+def test_float32_runs_the_kernels_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 too: each row's bits its own whatever the batch (torch's float32 silu and
+    sigmoid give a tensor's last elements a scalar exp of other bits); forced torch and other
+    dtypes run the references."""
+    x = torch.randn(37, 2 * 24) * 4
+    alone = torch.cat([elementwise_cpu.silu_and_mul(x[i : i + 1]) for i in range(len(x))])
+    torch.testing.assert_close(alone, F.silu(x[:, :24]) * x[:, 24:], atol=1e-6, rtol=1e-5)
+    for rows in (2, 3, 5, 17, 37):
+        assert torch.equal(elementwise_cpu.silu_and_mul(x[:rows]), alone[:rows])
+    normed, _ = elementwise_cpu.rms_norm(x, None, torch.ones(48), 1e-5)
+    torch.testing.assert_close(normed, rms_norm_torch(x, torch.ones(48), 1e-5))
+    gate = x[:, :1]
+    gated = elementwise_cpu.sigmoid_mul(gate, x)
+    torch.testing.assert_close(gated, torch.sigmoid(gate) * x)
+    for rows in (2, 3, 9):
+        assert torch.equal(elementwise_cpu.sigmoid_mul(gate[:rows], x[:rows]), gated[:rows])
+    assert elementwise_cpu.silu_and_mul(x.half()) is None
     monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "torch")
     assert elementwise_cpu.silu_and_mul(x.to(BF16)) is None
