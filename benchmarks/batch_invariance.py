@@ -8,7 +8,8 @@ lengths. A probe counts as identical when its tokens are. The split's lone answe
 compared with the single instance's (the split's promise: a single instance's tokens).
 
 --baseline DIR runs the same deployments from another pdserve checkout (say `git worktree add
-DIR <commit>`), imported ahead of this one, for a before/after in one run.
+DIR <commit>`), started in that directory (so that `python -m pdserve` imports it), for a
+before/after in one run.
 
 Usage: .venv/bin/python benchmarks/batch_invariance.py [--model M] [--dtype bfloat16]
        [--probes 12] [--crowd 48] [--max-tokens 64] [--baseline DIR]
@@ -69,9 +70,9 @@ async def probe(base_url: str, args: argparse.Namespace) -> tuple[list, list]:
     return alone, [together[i] for i in range(len(probes))]
 
 
-def run(command: str, server_args: list[str], env: dict[str, str], args) -> tuple[list, list]:
+def run(command: str, server_args: list[str], checkout: Path | None, args) -> tuple[list, list]:
     port = get_open_port()
-    proc = launch_server(port, server_args, command, env)
+    proc = launch_server(port, server_args, command, cwd=checkout)
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, base_url)
@@ -92,19 +93,17 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a pdserve checkout to run as well")
     args = parser.parse_args()
     server_args = ["--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
-    checkouts = {"this": {}}
-    if args.baseline:
-        checkouts["baseline"] = {"PYTHONPATH": str(args.baseline.resolve())}
+    checkouts = {"this": None, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     deployments = {
         "serve": ("serve", server_args),
         "launch 1P1D": ("launch", [*server_args, "--pd-min-uncached-tokens", "0"]),
     }
     results = []
     print(f"{'checkout':<10}{'deployment':<13}{'identical alone vs crowd':>26}{'= single':>10}")
-    for checkout, env in checkouts.items():
+    for checkout, path in checkouts.items():
         single_alone = None
         for name, (command, flags) in deployments.items():
-            alone, together = run(command, flags, env, args)
+            alone, together = run(command, flags, path, args)
             same = sum(a == b for a, b in zip(alone, together, strict=True))
             single_alone = single_alone or alone
             as_single = sum(a == b for a, b in zip(alone, single_alone, strict=True))

@@ -30,10 +30,15 @@ STOP_GRACE_S = 10
 
 
 def launch_server(
-    port: int, server_args: list[str], command: str = "serve", env: dict[str, str] | None = None
+    port: int,
+    server_args: list[str],
+    command: str = "serve",
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> subprocess.Popen:
     """`pdserve <command>` (serve, or launch for a split deployment behind its proxy), with `env`
-    added to this process's environment."""
+    added to this process's environment; `cwd` a pdserve checkout to run instead of this one
+    (`python -m` imports from its working directory first, and so do the processes it starts)."""
     cmd = [
         sys.executable,
         "-m",
@@ -44,7 +49,7 @@ def launch_server(
         *server_args,
     ]
     # Its own process group, so that stop_server reaches the workers the server starts too.
-    return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True)
+    return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
 
 
 def wait_healthy(proc: subprocess.Popen, base_url: str) -> None:
