@@ -37,6 +37,14 @@ def use_v2_model_runner() -> bool | None:
     return _tri_state("PDSERVE_USE_V2_MODEL_RUNNER")
 
 
+def batch_invariant() -> bool:
+    """PDSERVE_BATCH_INVARIANT: '1' makes the Triton paths batch invariant, as vLLM's
+    VLLM_BATCH_INVARIANT does (matmuls in a fixed tile order, attention split at a fixed size);
+    '0' or unset (the default) lets cuBLAS and the split heuristic choose by batch. The CPU
+    kernels are batch invariant either way."""
+    return _tri_state("PDSERVE_BATCH_INVARIANT") is True
+
+
 def kernel_backend() -> str | None:
     """PDSERVE_KERNEL_BACKEND: 'triton' or 'torch' forces a kernel backend; unset = by device."""
     value = os.environ.get("PDSERVE_KERNEL_BACKEND") or None

@@ -133,7 +133,9 @@ def compile_launch(arch: int, launch: lc.Launch) -> list[Compiled]:
 def _attention(launch: lc.AttentionLaunch, batch: int, max_model_len: int) -> None:
     num_kv_heads = 2
     query_lens = [70 if launch.prefill else 1] + [5 if launch.prefill else 1] * (batch - 1)
-    seq_lens = [n + 100 for n in query_lens]
+    # Batch invariant: long enough for two fixed-size splits, so that they run in parallel.
+    context = 100 + (lc.BATCH_INVARIANT_SPLIT if launch.batch_invariant else 0)
+    seq_lens = [n + context for n in query_lens]
     query = torch.zeros(
         sum(query_lens), num_kv_heads * launch.group, launch.head_size, dtype=launch.dtype
     )
@@ -153,8 +155,12 @@ def _attention(launch: lc.AttentionLaunch, batch: int, max_model_len: int) -> No
         ),
         slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),
     )
-    for num_splits in range(1, lc.MAX_SPLITS + 1):
-        paged_attention_triton(query, cache[:, 1], md, 0.125, num_splits=num_splits)
+    # Under batch invariance the count only picks one program per split or one for them all.
+    splits = (1, 2) if launch.batch_invariant else range(1, lc.MAX_SPLITS + 1)
+    for num_splits in splits:
+        paged_attention_triton(
+            query, cache[:, 1], md, 0.125, num_splits, batch_invariant=launch.batch_invariant
+        )
 
 
 def _kv_write(launch: lc.KVWriteLaunch, batch: int, max_model_len: int) -> None:

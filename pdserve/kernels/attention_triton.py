@@ -6,10 +6,19 @@ GQA group. A tile holds BLOCK_N keys gathered through the block table (one tile 
 cache blocks, or part of one). Softmax is online, in fp32, in the exp2 domain.
 
 Split-K (flash decoding): with num_splits > 1 each program covers one contiguous share of its
-request's KV tiles and stores an unnormalized partial (acc, max, sum); a second kernel combines
-the shares. Decode batches use it when (request, kv head) programs alone leave the GPU idle.
-The split count is a runtime argument, so that a batch whose count changes from one step to
-the next runs the same binary.
+request's KV tiles and stores an unnormalized partial (acc, max, sum); a second kernel folds
+the shares in order. Decode batches use it when (request, kv head) programs alone leave the GPU
+idle. The split count is a runtime argument, so that a batch whose count changes from one step
+to the next runs the same binary.
+
+Batch invariance (PDSERVE_BATCH_INVARIANT): the split count above follows the batch, and decode
+blocks are shaped unlike prefill blocks, so a query's reduction order depends on its batch.
+Under the switch every batch runs prefill-shaped blocks, and every query's keys are split at
+BATCH_INVARIANT_SPLIT tokens: a query reduces each split's tiles in order, then folds the
+splits in order with `_merge`. Whether the splits run in one program each (num_splits > 1, the
+combine kernel folding them) or one after another in their block's program (num_splits == 1)
+is the launcher's choice by batch; both fold the same states with the same code, so the bits
+are the same.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve import envs
 from pdserve.kernels import launch_configs
 
 if TYPE_CHECKING:
@@ -50,6 +60,24 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _merge(m_i, l_i, acc, m_s, l_s, acc_s):
+    # Fold a split's softmax state (max, sum, unnormalized output) into the running one. A split
+    # whose keys a row does not see (l_s == 0) leaves it as it is, and the first split a row sees
+    # is taken as it is, so a row with one split has exactly that split's state. The explicit
+    # fmas round the same way in every kernel that folds.
+    m_new = tl.maximum(m_i, m_s)
+    alpha = tl.exp2(m_i - m_new)
+    beta = tl.exp2(m_s - m_new)
+    first = l_i == 0
+    skip = l_s == 0
+    m_out = tl.where(skip, m_i, tl.where(first, m_s, m_new))
+    l_out = tl.where(skip, l_i, tl.where(first, l_s, tl.fma(l_i, alpha, l_s * beta)))
+    acc_new = tl.fma(acc, alpha[:, None], acc_s * beta[:, None])
+    acc_out = tl.where(skip[:, None], acc, tl.where(first[:, None], acc_s, acc_new))
+    return m_out, l_out, acc_out
 
 
 # The request count, the split count and the block table's row length (max_model_len's) are not
@@ -87,6 +115,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLIT_TILES: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,39 +153,53 @@ def _paged_attention_kernel(
     q_pos = context_len + q_local
     kv_len = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    # Splits of SPLIT_TILES tiles (batch invariance), else num_splits equal shares. One program
+    # per split, or, when the grid has one, this program runs every split in turn.
+    if SPLIT_TILES > 0:
+        split_tiles = SPLIT_TILES
+    else:
+        split_tiles = tl.cdiv(num_tiles, num_splits)
+    split_lo = split
+    split_hi = split + 1
+    if num_splits == 1:
+        split_hi = tl.cdiv(num_tiles, split_tiles)
 
-    # A finite floor, so that a row with every key of this split masked gives p = 0, not NaN.
+    # A finite floor, so that a row with every key of a split masked gives p = 0, not NaN.
     m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_table_ptr + req * stride_bt
-    for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < kv_len
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        slot = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(
-            cache_ptr + slot[None, :] + offs_d[:, None] * stride_cd,
-            mask=n_valid[None, :] & d_valid[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            cache_ptr + stride_ckv + slot[:, None] + offs_d[None, :] * stride_cd,
-            mask=n_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for s_idx in range(split_lo, split_hi):
+        tile_lo = s_idx * split_tiles
+        tile_hi = tl.minimum(tile_lo + split_tiles, num_tiles)
+        m_s = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
+        l_s = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_s = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for tile in range(tile_lo, tile_hi):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < kv_len
+            block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+            slot = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+            k = tl.load(
+                cache_ptr + slot[None, :] + offs_d[:, None] * stride_cd,
+                mask=n_valid[None, :] & d_valid[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                cache_ptr + stride_ckv + slot[:, None] + offs_d[None, :] * stride_cd,
+                mask=n_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_s, tl.max(s, 1))
+            alpha = tl.exp2(m_s - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_s = l_s * alpha + tl.sum(p, 1)
+            acc_s = acc_s * alpha[:, None]
+            acc_s = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc_s, input_precision=DOT_PRECISION)
+            m_s = m_new
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
 
     out_mask = row_valid[:, None] & d_valid[None, :]
     # Out is contiguous [num_tokens, num_heads, HEAD_DIM], partials [.., num_splits(, HEAD_DIM)].
@@ -181,33 +224,34 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # One program per (token, kv head), like the attention kernel: [GROUP_PAD, BLOCK_S, BLOCK_D].
-    # Padding rows past GROUP repeat the group's last head, so that all they load is defined.
+    # One program per (token, kv head), like the attention kernel: it folds the splits in order,
+    # as the attention kernel does when one program runs them all. Padding rows past GROUP repeat
+    # the group's last head, so that all they load is defined.
     token = tl.program_id(0)
     offs_g = tl.arange(0, GROUP_PAD)
     head = tl.program_id(1) * GROUP + tl.minimum(offs_g, GROUP - 1)
     out_row = token * tl.num_programs(1) * GROUP + head
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_valid = offs_s < num_splits
     d_valid = offs_d < HEAD_DIM
-    row = out_row[:, None] * num_splits + offs_s[None, :]
-    m = tl.load(part_max_ptr + row, mask=s_valid[None, :], other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + row, mask=s_valid[None, :], other=0.0)
-    acc = tl.load(
-        part_out_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-        mask=s_valid[None, :, None] & d_valid[None, None, :],
-        other=0.0,
-    )
-    # The first split holds key 0, visible to every query: the max is a real score, the sum > 0.
-    weight = tl.exp2(m - tl.max(m, 1)[:, None])
-    out = tl.sum(acc * weight[:, :, None], 1) / tl.sum(part_sum * weight, 1)[:, None]
+    m_i = tl.full([GROUP_PAD], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    for split in range(num_splits):
+        row = out_row * num_splits + split
+        m_s = tl.load(part_max_ptr + row)
+        l_s = tl.load(part_sum_ptr + row)
+        acc_s = tl.load(
+            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=d_valid[None, :],
+            other=0.0,
+        )
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
+    # The first split holds key 0, visible to every query: the sum is > 0.
     tl.store(
         out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
+        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
         mask=(offs_g[:, None] < GROUP) & d_valid[None, :],
     )
 
@@ -242,9 +286,15 @@ def paged_attention_triton(
     md: AttentionMetadata,
     scale: float,
     num_splits: int | None = None,
+    batch_invariant: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache
-    (Triton); num_splits overrides the split-K heuristic."""
+    (Triton); num_splits overrides the split-K heuristic. batch_invariant (default:
+    PDSERVE_BATCH_INVARIANT) splits every query's keys at BATCH_INVARIANT_SPLIT tokens instead;
+    num_splits (or the heuristic) then only chooses whether those splits run in a program each
+    (> 1) or one after another (1), which gives the same bits."""
+    if batch_invariant is None:
+        batch_invariant = envs.batch_invariant()
     num_tokens = md.num_actual_tokens
     num_heads, head_dim = query.shape[1], query.shape[2]
     out = query.new_empty(num_tokens, num_heads, head_dim)
@@ -253,8 +303,11 @@ def paged_attention_triton(
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    # Decode blocks hold one token (padded up to DOT_MIN rows), prefill blocks ATTENTION_ROWS rows.
-    block_q = 1 if md.max_query_len == 1 else max(1, launch_configs.ATTENTION_ROWS // group_pad)
+    # Decode blocks hold one token (padded up to DOT_MIN rows), prefill blocks ATTENTION_ROWS
+    # rows. A token's scores are reduced over its block's layout, which differs between the two,
+    # so under batch invariance every block is prefill-shaped.
+    decode = md.max_query_len == 1 and not batch_invariant
+    block_q = 1 if decode else max(1, launch_configs.ATTENTION_ROWS // group_pad)
     block_m = max(launch_configs.DOT_MIN, block_q * group_pad)
     block_n = launch_configs.attention_block_n(head_dim)
     block_d = max(launch_configs.DOT_MIN, triton.next_power_of_2(head_dim))
@@ -268,6 +321,12 @@ def paged_attention_triton(
         num_splits = num_splits_heuristic(
             num_q_blocks * num_kv_heads, md.max_query_len, md.max_seq_len, block_q, block_n, num_sms
         )
+    split_tiles = 0
+    if batch_invariant:
+        split_tiles = launch_configs.BATCH_INVARIANT_SPLIT // block_n
+        # As many programs as the longest query has splits, where that count is affordable.
+        needed = triton.cdiv(triton.cdiv(md.max_seq_len, block_n), split_tiles)
+        num_splits = needed if num_splits > 1 and needed <= launch_configs.MAX_SPLITS else 1
     if num_splits > 1:
         part_out = query.new_empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32)
         part_max = query.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
@@ -301,6 +360,7 @@ def paged_attention_triton(
         BLOCK_D=block_d,
         DOT_DTYPE=tl.float32 if _INTERPRET else _DOT_DTYPES[kv_cache.dtype],
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        SPLIT_TILES=split_tiles,
         num_warps=launch_configs.ATTENTION_NUM_WARPS,
         num_stages=launch_configs.ATTENTION_NUM_STAGES,
     )
@@ -314,7 +374,6 @@ def paged_attention_triton(
             HEAD_DIM=head_dim,
             GROUP=group,
             GROUP_PAD=group_pad,
-            BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
         )
     return out

@@ -23,6 +23,11 @@ ATTENTION_NUM_WARPS = 4
 ATTENTION_NUM_STAGES = 3
 # Split-K: at most this many KV splits per (query block, kv head).
 MAX_SPLITS = 32
+# Under PDSERVE_BATCH_INVARIANT every query's keys are split at this many tokens, so that its
+# reduction order follows its own sequence length alone (attention_triton.py). Long enough that
+# a split's partial write is small next to its KV reads; MAX_SPLITS of them (16k tokens) still
+# run in parallel.
+BATCH_INVARIANT_SPLIT = 512
 # V2 input preparation: tokens and block-table entries per loop step.
 PREPARE_BLOCK = 128
 # Sampling: a program holds BLOCK_B x BLOCK_V = SAMPLING_TILE logits at once.
@@ -93,6 +98,8 @@ class AttentionLaunch:
     group: int
     block_size: int
     prefill: bool  # query blocks of several tokens; else one-token decode blocks
+    # PDSERVE_BATCH_INVARIANT: every batch in prefill-sized blocks, split at a fixed size.
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,8 +176,13 @@ def launches(quick: bool = False) -> list[Launch]:
     shapes = [s for s in MODEL_SHAPES if not quick or s.name in QUICK_SHAPE_NAMES]
     out: dict[Launch, None] = {}
     for dtype, shape in itertools.product(dtypes, shapes):
-        for block_size, prefill in itertools.product(BLOCK_SIZES, (False, True)):
-            out[AttentionLaunch(dtype, shape.head_size, shape.group, block_size, prefill)] = None
+        for block_size, prefill, invariant in itertools.product(
+            BLOCK_SIZES, (False, True), (False, True)
+        ):
+            launch = AttentionLaunch(
+                dtype, shape.head_size, shape.group, block_size, prefill, invariant
+            )
+            out[launch] = None
         for tp in TP_SIZES:
             if (heads := shape.per_rank(tp)) is None:
                 continue

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve import envs
 from pdserve.kernels.launch_configs import SAMPLING_TILE
 from pdserve.sampling_params import _GREEDY_EPS
 
@@ -291,9 +292,13 @@ def _logprobs_kernel(
 
 
 def _tiles(num_rows: int, vocab_size: int) -> tuple[int, int, tuple[int]]:
-    """(BLOCK_B, BLOCK_V, grid) for a [num_rows, vocab_size] pass."""
+    """(BLOCK_B, BLOCK_V, grid) for a [num_rows, vocab_size] pass. A vocabulary under
+    SAMPLING_TILE / 2 packs rows by the batch's size, which changes the layout a row's sums are
+    reduced over: under PDSERVE_BATCH_INVARIANT each row has a program of its own."""
     block_v = min(triton.next_power_of_2(vocab_size), SAMPLING_TILE)
     block_b = min(triton.next_power_of_2(num_rows), SAMPLING_TILE // block_v)
+    if envs.batch_invariant():
+        block_b = 1
     return block_b, block_v, (triton.cdiv(num_rows, block_b),)
 
 

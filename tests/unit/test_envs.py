@@ -1,4 +1,5 @@
-"""Process-wide defaults pdserve sets before torch loads its OpenMP runtime."""
+"""pdserve/envs.py: the process-wide defaults pdserve sets before torch loads its OpenMP
+runtime, and the switches' accepted values."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+from pdserve import envs
 
 _PROBE = (
     "import os, pdserve, torch; "
@@ -33,3 +36,19 @@ def test_import_bounds_the_openmp_spin_unless_given(given: dict[str, str], expec
         check=True,
     )
     assert out.stdout.strip() == expected
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", False), ("0", False), ("1", True)])
+def test_batch_invariant_switch(
+    value: str, expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", value)
+    assert envs.batch_invariant() is expected
+    monkeypatch.delenv("PDSERVE_BATCH_INVARIANT")
+    assert envs.batch_invariant() is False
+
+
+def test_batch_invariant_refuses_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "true")
+    with pytest.raises(ValueError, match="PDSERVE_BATCH_INVARIANT must be unset, '0' or '1'"):
+        envs.batch_invariant()

@@ -126,6 +126,58 @@ def test_split_kv_matches_unsplit(reqs: list[tuple[int, int]], num_splits: int) 
     torch.testing.assert_close(split, unsplit, atol=1e-6, rtol=1e-6)
 
 
+def _select(
+    query: torch.Tensor, md: AttentionMetadata, reqs: list[int]
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The batch of requests `reqs` of md, in that order, on the same cache."""
+    starts = md.query_start_loc.tolist()
+    rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in reqs]).to(DEVICE)
+    lens = [starts[r + 1] - starts[r] for r in reqs]
+    seq_lens = md.seq_lens[reqs]
+    sub = AttentionMetadata(
+        num_reqs=len(reqs),
+        num_actual_tokens=sum(lens),
+        max_query_len=max(lens),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc=torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).int().to(DEVICE),
+        seq_lens=seq_lens,
+        block_table=md.block_table[reqs],
+        slot_mapping=md.slot_mapping[rows],
+    )
+    return query[rows], sub
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_decode_alone_or_beside_a_prefill(dtype: torch.dtype) -> None:
+    # 0: the probe, a decode whose 600 keys make two fixed-size splits (512); 1: a chunk after
+    # 520 tokens (two splits); 2: a fresh prompt; 3, 4: decodes, the longer with three splits.
+    query, kv_cache, md = _batch(
+        [(1, 600), (25, 520), (40, 0), (1, 30), (1, 1030)],
+        num_kv_heads=1,
+        dtype=dtype,
+        head_dim=16,
+    )
+    scale = 16**-0.5
+    expected = None
+    # num_splits 1: the splits one after another in each query block's program; 4: a program
+    # per split (as many as the longest query has), the combine kernel folding them.
+    for batch, num_splits in [
+        ([0], 1),
+        ([0], 4),
+        ([3, 0], 1),
+        ([2, 0], 4),
+        ([3, 1, 0, 4], 1),
+        ([3, 1, 0, 4], 4),
+    ]:
+        q, sub = _select(query, md, batch)
+        out = paged_attention_triton(q, kv_cache, sub, scale, num_splits, batch_invariant=True)
+        reference = paged_attention_torch(q.float(), kv_cache.float(), sub, scale)
+        torch.testing.assert_close(out.float(), reference, **TOLERANCE[dtype])
+        probe = out[int(sub.query_start_loc[batch.index(0)])]
+        expected = probe if expected is None else expected
+        assert torch.equal(probe, expected), f"batch {batch}, num_splits {num_splits}"
+
+
 def test_split_kv_in_bf16() -> None:
     _check(*_batch([(1, 300), (1, 7)], group=4, dtype=torch.bfloat16), num_splits=4)
 
