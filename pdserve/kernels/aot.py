@@ -44,6 +44,7 @@ from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.attention_triton import paged_attention_triton
 from pdserve.kernels.input_prep import prepare_inputs_triton
 from pdserve.kernels.kv_cache import write_kv_cache_triton
+from pdserve.kernels.matmul_triton import matmul_triton
 from pdserve.kernels.norm import fused_add_rms_norm_triton, rms_norm_triton
 from pdserve.kernels.rotary import rotary_embedding_triton
 from pdserve.kernels.sampling_triton import sample_tokens_triton, topk_logprobs_triton
@@ -194,6 +195,13 @@ def _norm(launch: lc.NormLaunch, batch: int, max_model_len: int) -> None:
         rms_norm_triton(x, weight, 1e-6)
 
 
+def _matmul(launch: lc.MatmulLaunch, batch: int, max_model_len: int) -> None:
+    weight = torch.zeros(launch.out_features, launch.in_features, dtype=launch.dtype)
+    bias = torch.zeros(launch.out_features, dtype=launch.dtype) if launch.bias else None
+    x = torch.zeros(batch, launch.in_features, dtype=launch.dtype)
+    matmul_triton(x, weight, bias, torch.float32 if launch.logits else launch.dtype)
+
+
 def _prepare_inputs(launch: lc.PrepareInputsLaunch, batch: int, max_model_len: int) -> None:
     # Runner V2's state table holds more rows than the batch uses.
     rows = batch + 3
@@ -233,6 +241,7 @@ _LAUNCHERS: dict[type, Callable[[Any, int, int], None]] = {
     lc.KVWriteLaunch: _kv_write,
     lc.RotaryLaunch: _rotary,
     lc.NormLaunch: _norm,
+    lc.MatmulLaunch: _matmul,
     lc.PrepareInputsLaunch: _prepare_inputs,
     lc.SamplingLaunch: _sample,
     lc.LogprobsLaunch: _logprobs,

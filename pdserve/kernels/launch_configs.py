@@ -43,6 +43,25 @@ def rms_norm_num_warps(block: int) -> int:
     return 8 if block >= 4096 else 4
 
 
+@dataclass(frozen=True)
+class MatmulTiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int  # rows of tiles that walk the weight's columns together (L2 reuse)
+    num_warps: int
+    num_stages: int
+
+
+# The batch-invariant matmul's one configuration per dtype, whatever the shape: vLLM's
+# matmul_persistent's (batch_invariant.py). No split-K: a tile sums K in BLOCK_K steps in order.
+MATMUL_TILES = {
+    torch.bfloat16: MatmulTiles(128, 128, 64, 8, num_warps=8, num_stages=3),
+    torch.float16: MatmulTiles(128, 128, 64, 8, num_warps=8, num_stages=3),
+    torch.float32: MatmulTiles(128, 128, 32, 8, num_warps=8, num_stages=3),
+}
+
+
 # The configurations: model shapes in each dtype, block size and TP size, and every sampling
 # step the sampler can take for them.
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -60,7 +79,10 @@ class ModelShape:
     num_kv_heads: int
     head_size: int
     vocab_size: int
+    intermediate_size: int
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+    gated_mlp: bool = True  # gate and up in one projection (Llama); else one fc1 (OPT)
+    bias: bool = False  # every projection but the LM head has one (OPT)
 
     @property
     def group(self) -> int:
@@ -73,18 +95,39 @@ class ModelShape:
             return None
         return self.num_heads // tp, max(1, self.num_kv_heads // tp)
 
+    def linears(self, dtype: torch.dtype, tp: int) -> list[MatmulLaunch]:
+        """The matmuls of one TP rank: q/k/v, o, the MLP's two and the LM head (float32 logits
+        of a vocabulary shard). A row-parallel layer adds its bias after the all-reduce when
+        tp > 1 (models/layers/linear.py), so its matmul has none then."""
+        heads = self.per_rank(tp)
+        if heads is None or self.intermediate_size % tp:
+            return []
+        q, kv = heads
+        ffn = self.intermediate_size // tp
+        row_bias = self.bias and tp == 1
+        shapes = [
+            ((q + 2 * kv) * self.head_size, self.hidden_size, self.bias),
+            (self.hidden_size, q * self.head_size, row_bias),
+            ((2 if self.gated_mlp else 1) * ffn, self.hidden_size, self.bias),
+            (self.hidden_size, ffn, row_bias),
+        ]
+        vocab = -(-self.vocab_size // tp)
+        return [MatmulLaunch(dtype, n, k, bias, logits=False) for n, k, bias in shapes] + [
+            MatmulLaunch(dtype, vocab, self.hidden_size, bias=False, logits=True)
+        ]
+
 
 # Head sizes 64 and 128 with GQA groups 1, 4 and 8 each, the default model (group 3) and a model
 # with q/k norms (group 2).
 MODEL_SHAPES = (
-    ModelShape("SmolLM2-135M", 576, 9, 3, 64, 49152),
-    ModelShape("OPT-125m", 768, 12, 12, 64, 50272),
-    ModelShape("Llama-3.2-1B", 2048, 32, 8, 64, 128256),
-    ModelShape("TinyLlama-1.1B", 2048, 32, 4, 64, 32000),
-    ModelShape("Llama-2-7B", 4096, 32, 32, 128, 32000),
-    ModelShape("Llama-3-8B", 4096, 32, 8, 128, 128256),
-    ModelShape("Llama-3-70B", 8192, 64, 8, 128, 128256),
-    ModelShape("Qwen3-0.6B", 1024, 16, 8, 128, 151936, qk_norm=True),
+    ModelShape("SmolLM2-135M", 576, 9, 3, 64, 49152, 1536),
+    ModelShape("OPT-125m", 768, 12, 12, 64, 50272, 3072, gated_mlp=False, bias=True),
+    ModelShape("Llama-3.2-1B", 2048, 32, 8, 64, 128256, 8192),
+    ModelShape("TinyLlama-1.1B", 2048, 32, 4, 64, 32000, 5632),
+    ModelShape("Llama-2-7B", 4096, 32, 32, 128, 32000, 11008),
+    ModelShape("Llama-3-8B", 4096, 32, 8, 128, 128256, 14336),
+    ModelShape("Llama-3-70B", 8192, 64, 8, 128, 128256, 28672),
+    ModelShape("Qwen3-0.6B", 1024, 16, 8, 128, 151936, 3072, qk_norm=True),
 )
 
 
@@ -126,6 +169,17 @@ class NormLaunch:
 
 
 @dataclass(frozen=True)
+class MatmulLaunch:
+    """The batch-invariant matmul (PDSERVE_BATCH_INVARIANT) of one linear layer's weight."""
+
+    dtype: torch.dtype
+    out_features: int
+    in_features: int
+    bias: bool
+    logits: bool  # float32 out (the LM head); else the weight's dtype
+
+
+@dataclass(frozen=True)
 class PrepareInputsLaunch:
     block_size: int
 
@@ -155,6 +209,7 @@ Launch = (
     | KVWriteLaunch
     | RotaryLaunch
     | NormLaunch
+    | MatmulLaunch
     | PrepareInputsLaunch
     | SamplingLaunch
     | LogprobsLaunch
@@ -184,6 +239,7 @@ def launches(quick: bool = False) -> list[Launch]:
             )
             out[launch] = None
         for tp in TP_SIZES:
+            out.update(dict.fromkeys(shape.linears(dtype, tp)))
             if (heads := shape.per_rank(tp)) is None:
                 continue
             for block_size in BLOCK_SIZES:

@@ -23,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve import envs
 from pdserve.kernels import backend, native
+
+if backend.HAS_TRITON:
+    from pdserve.kernels.matmul_triton import matmul_triton
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +126,20 @@ def linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x W^T + b in the weight's dtype, or in `out_dtype` (float32 for logits: the kernel's
-    float32 sums, not rounded to bf16 first)."""
+    float32 sums, not rounded to bf16 first). On CUDA, cuBLAS; under PDSERVE_BATCH_INVARIANT the
+    Triton matmul of matmul_triton.py, whose rows do not depend on the batch."""
     out_dtype = out_dtype or weight.dtype
     if packed is not None and x.numel():
         return _packed_linear(x, packed, bias, out_dtype)
+    if x.device.type == "cuda":
+        if envs.batch_invariant():
+            return matmul_triton(x, weight, bias, out_dtype)
+        if out_dtype != weight.dtype:
+            # cuBLAS writes its float32 sums itself: no float32 copy of the weight per call.
+            logits = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype)
+            if bias is not None:
+                logits += bias.to(out_dtype)
+            return logits.view(*x.shape[:-1], weight.shape[0])
     if out_dtype == weight.dtype:
         return F.linear(x, weight, bias)
     # One rounding, as the kernel's: float32 sums of the weight's values.
