@@ -134,7 +134,8 @@ MODEL_SHAPES = (
 @dataclass(frozen=True)
 class AttentionLaunch:
     """One paged-attention specialization; the driver launches it unsplit and with every
-    split count up to MAX_SPLITS (each power-of-two bound is one combine kernel)."""
+    split count up to MAX_SPLITS (one combine kernel serves them all), or, batch invariant,
+    with its fixed-size splits in one program and in a program each."""
 
     dtype: torch.dtype
     head_size: int
