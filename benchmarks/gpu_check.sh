@@ -13,7 +13,9 @@
 # The steps: the environment; the installs; the Triton kernels compiled ahead of time for
 # sm_80/sm_90; the kernel and runner unit tests on CUDA (each kernel against its torch
 # reference, CUDA graph capture and replay against eager); the engine token-exact against HF
-# on the GPU (runners V1 and V2, tiny models); benchmarks/kernels.py (decode attention at batch
+# on the GPU (runners V1 and V2, tiny models); batch invariance (SmolLM2's logits for a request
+# alone and inside batches of others, bit for bit, PDSERVE_BATCH_INVARIANT=1 and, for contrast,
+# 0: benchmarks/batch_invariance_logits.py); benchmarks/kernels.py (decode attention at batch
 # 64, context 4096, head 128, GQA 8:1, bf16: GB/s against the peak and against SDPA); throughput
 # against HF generate on SmolLM2; a 1P1D split on the one GPU (two instances sharing it) with
 # the KV cache registered in VRAM and with host staging, token-exact against one instance.
@@ -32,7 +34,7 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS="$2"; shift ;;
     --out) OUT_DIR="$2"; shift ;;
     --fetch-wheels) FETCH="$2"; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -99,7 +101,7 @@ for line in reversed(lines):
             d = json.loads(line)
         except ValueError:
             continue
-        keys = ("ratio", "pdserve_tok_s", "hf_tok_s", "all_ok", "device")
+        keys = ("ratio", "pdserve_tok_s", "hf_tok_s", "identical", "all_ok", "device")
         print(", ".join(f"{k}={d[k]}" for k in keys if k in d)[:90])
         break
     if re.search(r"\d+ (passed|failed)", line):
@@ -147,9 +149,12 @@ step triton_aot both "${PYTEST[@]}" tests/unit/kernels/test_triton_aot.py
 step kernel_runner_tests gpu "${PYTEST[@]}" tests/unit/kernels tests/unit/runners
 step token_exact_vs_hf gpu "${PYTEST[@]}" tests/unit/engine/test_correctness.py
 if [ "$HAS_GPU" = 1 ]; then
+  step batch_invariance gpu "$PY" benchmarks/batch_invariance_logits.py
   step kernels_bench gpu "$PY" benchmarks/kernels.py
   step throughput_vs_hf gpu "$PY" benchmarks/throughput.py --model default
 else
+  step batch_invariance both "$PY" benchmarks/batch_invariance_logits.py --model tiny \
+    --device cpu --probes 2 --background 6
   step kernels_bench both "$PY" benchmarks/kernels.py
   step throughput_vs_hf both "$PY" benchmarks/throughput.py --model tiny --num-prompts 8 \
     --output-len 16 --dtype float32
