@@ -87,11 +87,14 @@ class EngineCore:
             request.prompt_token_ids + request.output_token_ids, mc.vocab_size, mc.max_model_len
         )
         engine_request = request.to_request()
+        # Refused here, not when its grammar is ready: the scheduler's refusal then would end
+        # the engine. An id in use may still be the scheduler's after its client went away.
+        request_id = engine_request.request_id
+        if request_id in self.waiting_for_grammar or request_id in self.scheduler.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
         if engine_request.sampling_params.structured_outputs is None:
             self.scheduler.add_request(engine_request)
             return
-        if engine_request.request_id in self.waiting_for_grammar:
-            raise ValueError(f"Request id {engine_request.request_id!r} is already in use.")
         self.structured_output.grammar_init(engine_request)
         self.waiting_for_grammar[engine_request.request_id] = engine_request
 

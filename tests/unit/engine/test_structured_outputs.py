@@ -12,6 +12,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.messages import EngineCoreRequest
 from pdserve.sampling_params import StructuredOutputsParams
 from pdserve.structured_output.grammar import compile_grammar
 from tests.utils.tiny_models import EOS_TOKEN_ID, hf_greedy_constrained
@@ -135,6 +136,26 @@ def test_bad_constraints_are_refused_naming_the_field(tiny_model, params, messag
         with pytest.raises(ValueError, match=re.escape(message)):
             llm.generate("hi", SamplingParams(structured_outputs=StructuredOutputsParams(**params)))
         assert_pool_full(llm)
+
+
+def test_an_id_in_use_is_refused_on_arrival(tiny_model):
+    """A constrained request under the id of one the scheduler holds, or a free one under the
+    id of one waiting for its grammar, is refused when it arrives: the scheduler refusing it
+    once its grammar compiled ended the engine (the proxy's X-Request-Id fuzzed, issue 27)."""
+    with LLM(model=tiny_model("llama"), dtype="float32", max_model_len=256) as llm:
+        core = llm.engine_core
+
+        def request(request_id: str, constraint: StructuredOutputsParams | None):
+            params = SamplingParams(max_tokens=4, structured_outputs=constraint)
+            return EngineCoreRequest(request_id, PROMPTS[0], params, EOS_TOKEN_ID, 0.0)
+
+        for first, second in [(None, CONSTRAINTS["choice"]), (CONSTRAINTS["choice"], None)]:
+            core.add_request(request("x", first))
+            with pytest.raises(ValueError, match="'x' is already in use"):
+                core.add_request(request("x", second))
+            while core.has_work():
+                core.step()
+            assert_pool_full(llm)
 
 
 @pytest.mark.parametrize(
