@@ -3,7 +3,8 @@
 Each request goes twice (vLLM's toy_proxy_server, reference §6.1): a copy to a prefill instance
 with `max_tokens=1`, no streaming and `kv_transfer_params={"do_remote_decode": true}`; then the
 original, carrying the prefill answer's `kv_transfer_params`, to a decode instance, whose answer
-(streamed or not) goes back to the client. One X-Request-Id names both hops. Instances are
+(streamed or not) goes back to the client. One X-Request-Id names both hops; it and
+Authorization are the only client headers the hops carry (proxy_headers.py). Instances are
 chosen among those whose /health answered 200 at the last check, by cached prefix and load
 (proxy_routing.py).
 
@@ -46,6 +47,7 @@ from pdserve.entrypoints.openai.errors import (
 )
 from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.proxy_decode_leg import DecodeLeg, close_unread, open_decode
+from pdserve.entrypoints.proxy_headers import forwarded_headers
 from pdserve.entrypoints.proxy_instances import (
     InstancePool,
     check_forever,
@@ -135,6 +137,7 @@ def build_proxy_app(
 
     async def handle(request: Request, endpoint: str) -> Response:
         arrival = request.scope["pdserve.arrival"]
+        headers = forwarded_headers(request.headers)
         try:
             body = json.loads(await request.body())
         except ValueError as e:
@@ -146,7 +149,7 @@ def build_proxy_app(
             req = _BODIES[endpoint].model_validate(body)
         except ValidationError as e:
             raise validation_error(list(e.errors())) from None
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request_id = headers.setdefault("X-Request-Id", uuid.uuid4().hex)
         if request_id in in_flight:
             raise OpenAIError(
                 400,
@@ -156,7 +159,7 @@ def build_proxy_app(
         in_flight.add(request_id)
         relaying = False
         try:
-            response = await split(request, request_id, body, req, endpoint, arrival)
+            response = await split(headers, body, req, endpoint, arrival)
             relaying = isinstance(response, StreamingResponse)
             return response
         finally:
@@ -164,17 +167,15 @@ def build_proxy_app(
                 in_flight.discard(request_id)
 
     async def split(
-        request: Request,
-        request_id: str,
+        headers: dict[str, str],
         body: dict[str, Any],
         req: CompletionRequest | ChatCompletionRequest,
         endpoint: str,
         arrival: float,
     ) -> Response:
-        """Both hops of one request; a stream's id stays in flight until its relay ends."""
-        headers = {"X-Request-Id": request_id}
-        if "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
+        """Both hops of one request, each carrying `headers`; a stream's id stays in flight
+        until its relay ends."""
+        request_id = headers["X-Request-Id"]
         prompt_logprobs = body.get("prompt_logprobs")
         if body.get("stream") and isinstance(prompt_logprobs, int) and prompt_logprobs > 0:
             # vLLM's refusal, which the prefill instance would not give (its hop is not streamed).
@@ -367,8 +368,8 @@ def build_proxy_app(
 
     @app.get("/v1/models", responses=error_responses(401, 503))
     async def models(request: Request) -> Response:
+        headers = forwarded_headers(request.headers)
         instance = pools["decode"].pick()
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
             resp = await instance.client.get("/v1/models", headers=headers)
         except httpx.HTTPError as e:

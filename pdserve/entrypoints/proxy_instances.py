@@ -103,9 +103,10 @@ class InstancePool:
 
 def failed(instance: Instance, e: Exception) -> str:
     """Why a hop to `instance` failed. A peer that refuses or drops the connection is marked down
-    until its health check passes again; one that only timed out is left to the health checks."""
+    until its health check passes again; one that only timed out is left to the health checks,
+    and an error the proxy raised itself, building or sending the request, says nothing of it."""
     why = f"{type(e).__name__}: {e}"
-    if not isinstance(e, httpx.TimeoutException):
+    if isinstance(e, (httpx.NetworkError, httpx.RemoteProtocolError)):
         instance.healthy, instance.last_error = False, why
     return f"The {instance.role} instance {instance.url} failed: {why}"
 

@@ -1,6 +1,7 @@
 """The proxy's OpenAPI schema: its own routes and errors, with the request bodies its decode
 instances declare (the proxy forwards them; the instances check them, against the served
-model's limits), so that a schema-valid request is one the deployment takes."""
+model's limits), so that a schema-valid request is one the deployment takes; and the headers it
+forwards with them, as it checks them (proxy_headers.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
+from pdserve.entrypoints.proxy_headers import (
+    OPENAPI_PARAMETERS,
+    OPENAPI_SECURITY,
+    OPENAPI_SECURITY_SCHEMES,
+)
 from pdserve.entrypoints.proxy_instances import InstancePool
 
 _FORWARDED = ("/v1/completions", "/v1/chat/completions")
@@ -25,7 +31,7 @@ class ProxySchema:
         """The merged schema once an instance gave its own (cached); the proxy's until then."""
         if self.merged is not None:
             return self.merged
-        own = self.app.openapi()
+        own = with_headers(self.app.openapi())
         for instance in self.decode.instances:
             try:
                 resp = await instance.client.get("/openapi.json")
@@ -35,6 +41,17 @@ class ProxySchema:
             except (httpx.HTTPError, ValueError):
                 continue
         return own
+
+
+def with_headers(own: dict[str, Any]) -> dict[str, Any]:
+    schema = copy.deepcopy(own)
+    for path in _FORWARDED:
+        operation = schema["paths"][path]["post"]
+        operation.setdefault("parameters", []).extend(OPENAPI_PARAMETERS)
+        operation["security"] = OPENAPI_SECURITY
+    schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+    schemes.update(OPENAPI_SECURITY_SCHEMES)
+    return schema
 
 
 def merge(own: dict[str, Any], instance: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """schemathesis hooks (SCHEMATHESIS_HOOKS) for test_openapi_schema.py: the bodies left out are
 schema-valid requests pdserve refuses by design, for reasons a JSON schema cannot state
 (docs/serving.md, "OpenAPI schema"). Each rule says why; anything else the fuzzer sends must
-get the response the schema declares.
+get the response the schema declares. Where an operation has headers to fuzz (the proxy's
+X-Request-Id), an API key goes with them, as clients send it.
 
 Loaded by schemathesis in its own environment (.venv-schemathesis), not by pytest.
 """
@@ -12,6 +13,7 @@ import os
 from typing import Any
 
 import schemathesis
+from hypothesis import strategies as st
 
 MAX_MODEL_LEN = int(os.environ["MAX_MODEL_LEN"])  # the servers' --max-model-len
 
@@ -68,6 +70,9 @@ def _refused_by_design(body: dict[str, Any]) -> bool:
     kv = body.get("kv_transfer_params")
     if isinstance(kv, dict) and (kv.get("do_remote_prefill") or kv.get("do_remote_decode")):
         return True  # a hand-off names a real peer
+    batch = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+    if kv is not None and batch:
+        return True  # a hand-off carries one prompt's KV
     return False
 
 
@@ -96,3 +101,21 @@ def filter_body(ctx: Any, body: Any) -> bool:
         return not _refused_by_design(body)
     except (TypeError, AttributeError, ValueError):
         return True  # a schema-violating body (negative testing): its fields have any type
+
+
+# The key the proxy's optional bearer would get no value for (schemathesis draws none for
+# optional auth), the way clients send it: none, an empty one (lm-evaluation-harness without a
+# key), with whitespace a server strips, or any printable one. The servers take any key.
+_API_KEYS = st.one_of(
+    st.sampled_from(["", "Bearer", "Bearer ", "bearer \t", "Bearer k ", "Bearer \tk"]),
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=64).map(
+        "Bearer {}".format
+    ),
+)
+
+
+@schemathesis.hook
+def flatmap_headers(ctx: Any, headers: dict[str, str] | None) -> Any:
+    return st.one_of(st.none(), _API_KEYS).map(
+        lambda key: headers if key is None else {**(headers or {}), "Authorization": key}
+    )

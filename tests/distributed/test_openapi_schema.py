@@ -6,8 +6,10 @@ gets a 5xx. Then the default checks (responses, status codes, content types and 
 schema declares them; schema-valid requests accepted, schema-violating ones refused) over the
 examples and fuzzing phases, with the hooks of schemathesis_hooks.py leaving out the requests
 pdserve refuses by design for reasons a JSON schema cannot state (cross-field limits, the
-content of a regex or a JSON schema); the coverage phase does not take hooks. Afterwards every
-block pool is full.
+content of a regex or a JSON schema); the coverage phase does not take hooks. The proxy's
+requests carry the headers it forwards, drawn too: X-Request-Id from its schema, the API key from
+the hooks (issue 27: one malformed header took both instances down). Afterwards every block pool
+is full.
 """
 
 from __future__ import annotations

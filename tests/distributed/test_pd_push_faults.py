@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from tests.utils.faults import FaultPlan, rule, without_faults
-from tests.utils.pd import greedy_body, start_instance
+from tests.utils.headers import check_hostile_headers
+from tests.utils.pd import greedy_body, split_proxy, start_instance
 from tests.utils.server import RemoteServer, sigkill
 
 # 70 s here: the default stage runs the same paths on the connector's real halves over both
@@ -144,6 +145,18 @@ def test_both_hops_at_once_give_hf_tokens(
     assert prefill_done.result().status_code == 200
     faults.p.wait_pool_full()
     assert faults.p.metric("kv_pushes_total") == pushes + 1
+
+
+def test_hostile_headers_through_the_push_proxy(faults: Pair) -> None:
+    """Issue 27 in push mode, where the prefill hop leaves in the background: a header the
+    proxy cannot send on is the client's 400 before either hop, and no instance is marked
+    down (the pull-mode cases: tests/distributed/test_proxy.py)."""
+    with split_proxy(faults.p, faults.d, "--kv-mode", "push") as proxy:
+        check_hostile_headers(proxy.url, faults.body(fresh(40), 4))
+        served = httpx.post(
+            f"{proxy.url}/v1/completions", json=faults.body(fresh(40), 4), timeout=60
+        )
+        assert served.headers["X-PD-KV-Mode"] == "push" and served.headers["X-PD-Path"] == "remote"
 
 
 def test_a_registration_that_never_comes_frees_by_the_lease(faults: Pair) -> None:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from tests.utils.headers import check_hostile_headers
 from tests.utils.pd import complete_all, hf_reference, instances, prefill, wait_all_pools_full
 from tests.utils.procs import wait_until_gone
 from tests.utils.server import RemoteServer, descendants
@@ -131,6 +132,17 @@ def test_proxy_health_models_and_request_id(deployment: RemoteServer) -> None:
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
     garbage = httpx.post(f"{deployment.url}/v1/completions", content=b"{nope")
     assert garbage.status_code == 400
+
+
+def test_hostile_headers_never_take_an_instance_down(
+    deployment: RemoteServer, tiny_model: Callable[[str], str]
+) -> None:
+    """Issue 27: an empty bearer, whitespace around a value, control characters, over-long and
+    repeated values, non-ASCII. Each is normalized or the client's 400 naming the header; a
+    plain request right after is served, and every instance stays healthy."""
+    body = {"model": tiny_model("llama"), "prompt": "hello there my friend", "max_tokens": 4}
+    check_hostile_headers(deployment.url, body)
+    wait_all_pools_full(deployment)
 
 
 def test_client_disconnect_through_proxy_frees_both_sides(deployment: RemoteServer) -> None:
