@@ -1,8 +1,9 @@
 """The front end's handle on the EngineCore process: start it, feed it, read it, watch it die.
 
-Requests go out on a PUSH socket (a send never blocks the event loop: ZMQ queues it); outputs
-come back on an asyncio PULL socket read by one task. A thread waits on the process sentinel so
-that a killed engine is noticed at once, not at the next request.
+Requests go out on a PUSH socket (a send does not block the event loop while the engine's socket
+is connected: ZMQ queues it); outputs come back on an asyncio PULL socket read by one task. A
+thread waits on the process sentinel so that a killed engine is noticed at once, not at the next
+request.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 600.0
 _SHUTDOWN_GRACE_S = 15.0
+# A PUSH socket with no peer blocks a send: for a moment after start-up, before the engine's
+# socket is attached, and for good once the engine is gone (a SIGTERM to the whole process group
+# ends it beside this process, before the sentinel's thread has said so). A send waits this long
+# at a time, then looks whether the engine still runs.
+_SEND_WAIT_MS = 100
 
 
 class EngineDeadError(RuntimeError):
@@ -48,6 +54,7 @@ class AsyncEngineCoreClient:
         input_addr, output_addr = make_ipc_address("engine-in"), make_ipc_address("engine-out")
         self.input_socket = self.ctx.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.SNDHWM, 0)
+        self.input_socket.setsockopt(zmq.SNDTIMEO, _SEND_WAIT_MS)
         self.input_socket.bind(input_addr)
         self.output_socket = self.async_ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
@@ -128,30 +135,37 @@ class AsyncEngineCoreClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def _send(self, kind: EngineCoreRequestType, payload: bytes) -> None:
+        """Raises EngineDeadError rather than block on an engine that is gone."""
         self._check_alive()
-        self.input_socket.send_multipart(
-            (EngineCoreRequestType.ADD.value, self.encoder.encode(request)), copy=False
-        )
+        while True:
+            try:
+                self.input_socket.send_multipart((kind.value, payload), copy=False)
+                return
+            except zmq.Again:
+                if not self.proc.is_alive():
+                    raise EngineDeadError("The engine process is gone.") from None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, self.encoder.encode(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_reason is None:
-            self.input_socket.send_multipart(
-                (EngineCoreRequestType.ABORT.value, self.encoder.encode(request_ids)), copy=False
-            )
+            try:
+                self._send(EngineCoreRequestType.ABORT, self.encoder.encode(request_ids))
+            except EngineDeadError:
+                pass  # a gone engine holds nothing to abort
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 10.0) -> Any:
         self._check_alive()
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending_calls[call_id] = future
-        self.input_socket.send_multipart(
-            (
-                EngineCoreRequestType.UTILITY.value,
+        try:
+            self._send(
+                EngineCoreRequestType.UTILITY,
                 self.encoder.encode(UtilityCall(call_id, method, list(args))),
             )
-        )
-        try:
             result = await asyncio.wait_for(future, timeout)
         finally:
             self._pending_calls.pop(call_id, None)
