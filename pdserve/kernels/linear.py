@@ -148,8 +148,8 @@ def linear(
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Pack the weight of every module that takes one (`packed_weight` attribute), and each
-    expert's of an MoE layer (`packed_experts`); returns how many were packed. The dense weight stays: checkpoints, tied embeddings and the KV-free
-    reference paths read it."""
+    expert's of an MoE layer (`packed_experts`); returns how many were packed. The dense weight
+    stays: checkpoints, tied embeddings and the KV-free reference paths read it."""
     num_packed = 0
     lm_head = getattr(model, "lm_head", None)
     for module in model.modules():
