@@ -95,9 +95,11 @@ class AsyncEngineCoreClient:
 
         def watch() -> None:
             wait_for_objects([self.proc.sentinel])
+            if self.shutting_down:
+                return
+            self.proc.join()  # the sentinel can fire before the exit code is there to read
             if not self.shutting_down:
-                reason = f"The engine process exited unexpectedly (exit code {self.proc.exitcode})."
-                loop.call_soon_threadsafe(self._mark_dead, reason)
+                loop.call_soon_threadsafe(self._exited, self.proc.exitcode)
 
         threading.Thread(target=watch, name="pdserve-engine-monitor", daemon=True).start()
 
@@ -120,11 +122,20 @@ class AsyncEngineCoreClient:
             except Exception:
                 logger.exception("Processing engine outputs failed")
 
-    def _mark_dead(self, reason: str) -> None:
+    def _exited(self, exitcode: int | None) -> None:
+        if exitcode == 0:
+            # The engine exits 0 only on SIGTERM, which a stop sent to the whole process group
+            # (a terminal's `kill -- -PGID`, systemd) gives it beside this server: an orderly
+            # stop, not a failure.
+            self._mark_dead("The engine process stopped on SIGTERM.", logging.INFO)
+        else:
+            self._mark_dead(f"The engine process exited unexpectedly (exit code {exitcode}).")
+
+    def _mark_dead(self, reason: str, level: int = logging.ERROR) -> None:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
-        logger.error("%s In-flight requests fail; /health answers 503.", reason)
+        logger.log(level, "%s In-flight requests fail; /health answers 503.", reason)
         for future in self._pending_calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 20.0
 SERVE_CMD = [sys.executable, "-m", "pdserve.entrypoints.cli"]
+PROXY = "proxy"  # the proxy's name among the children
 
 
 def die_with_parent() -> None:
@@ -95,16 +96,22 @@ class Launcher:
         return child
 
     def stop(self) -> None:
-        """SIGTERM every child (proxy first, as it was started last), then SIGKILL stragglers."""
-        for child in reversed(self.children):
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
+        """SIGTERM the proxy, then, once it is gone, the instances: a proxy still checking them
+        would report each draining instance down. SIGKILL whatever is left after
+        STOP_GRACE_S."""
         deadline = time.monotonic() + STOP_GRACE_S
-        for child in self.children:
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0f s; killing it", child.name, STOP_GRACE_S)
+        proxies = [c for c in self.children if c.name == PROXY]
+        for group in (proxies, [c for c in self.children if c.name != PROXY]):
+            for child in group:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            for child in group:
+                try:
+                    child.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning(
+                        "%s did not stop in %.0f s; killing it", child.name, STOP_GRACE_S
+                    )
         for child in self.children:
             # The child's session holds its engine and workers too.
             try:
@@ -345,7 +352,7 @@ def run_launch(args: argparse.Namespace, instance_args: list[str]) -> int:
         instances = placed.start(args, instance_args)
         wait_healthy(instances["prefill"] + instances["decode"], args.startup_timeout)
         placed.started()
-        proxy = launcher.spawn("proxy", proxy_args(args, instances), args.port)
+        proxy = launcher.spawn(PROXY, proxy_args(args, instances), args.port)
         wait_healthy([proxy], 60)
         where = " on Ray" if args.ray else ""
         print(

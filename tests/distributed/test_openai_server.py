@@ -34,7 +34,14 @@ def server(tiny_model: Callable[[str], str]) -> Iterator[RemoteServer]:
         ]
     ) as s:
         yield s
+        # SIGTERM to every process at once, as `kill -- -PGID` or systemd sends it: an orderly
+        # stop, logged at INFO (issue 27).
+        start = s.log_size()
+        for pid in [s.proc.pid, *descendants(s.proc.pid)]:
+            os.kill(pid, signal.SIGTERM)
+        assert s.proc.wait(60) == 0
         assert s.stop() == [], "processes left behind"
+        assert s.complaints_since(start) == []
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,13 @@ def deployment(tiny_model: Callable[[str], str]) -> Iterator[RemoteServer]:
     launch = ["launch", "--model", tiny_model("llama"), "--pd-min-uncached-tokens", "0"]
     with RemoteServer([*launch, "--dtype", "float32"]) as proxy:
         yield proxy
+        # Ctrl-C, which reaches the launcher alone (each child has its own session): an orderly
+        # stop, logged at INFO (issue 27).
+        start = proxy.log_size()
+        proxy.proc.send_signal(signal.SIGINT)
+        assert proxy.proc.wait(60) == 0
         assert proxy.stop() == [], "processes left behind"
+        assert proxy.complaints_since(start) == []
 
 
 def test_completions_through_proxy_match_reference(
@@ -333,10 +339,12 @@ def test_launch_stops_everything_on_sigterm(tiny_model: Callable[[str], str]) ->
     server = RemoteServer(["launch", "--model", tiny_model("llama"), "--dtype", "float32"])
     pids = _launch_pids(server)
     assert len(pids) >= 7, "launcher, 2 instances with their engines, the proxy"
+    start = server.log_size()
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(60) == 0
     assert wait_until_gone(pids, 30) == []
     server.stop()
+    assert server.complaints_since(start) == [], "an orderly stop logs at INFO"
 
 
 @pytest.mark.slow  # launch's start-up: ~30 s each

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,9 @@ from tests.utils.procs import pid_alive, wait_until_gone
 
 _REPO = Path(__file__).resolve().parents[2]
 _BIND_ATTEMPTS = 3
+# pdserve's log lines ("WARNING pdserve.x: ..."), uvicorn's ("ERROR:    ..."), tracebacks and
+# Python's warnings ("...: UserWarning: ...").
+_COMPLAINT = re.compile(r"^(WARNING|ERROR|CRITICAL)\b|^Traceback|Warning: ")
 
 
 def sigkill(server: RemoteServer) -> None:
@@ -146,6 +150,17 @@ class RemoteServer(MetricsReader):
     def read_log(self) -> str:
         self.log.flush()
         return self.log_path.read_text(errors="replace")[-4000:]
+
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size
+
+    def complaints_since(self, offset: int) -> list[str]:
+        """What the server (and every process below it) logged after `offset` (a log_size())
+        at WARNING or above, tracebacks and Python warnings included."""
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+        return [line for line in lines if _COMPLAINT.search(line)]
 
     def client(self, **kwargs: object) -> openai.OpenAI:
         return openai.OpenAI(

@@ -40,7 +40,7 @@ class Drain:
             self.server.should_exit = True
             return
         self.draining = True
-        logger.warning("SIGTERM: draining (new requests get 503) before exiting")
+        logger.info("SIGTERM: draining (new requests get 503) before exiting")
         self._task = asyncio.get_running_loop().create_task(self._drain())
 
     async def idle(self) -> bool:
@@ -66,5 +66,5 @@ class Drain:
                 break
             await asyncio.sleep(_POLL_S)
         else:
-            logger.warning("Drained: exiting")
+            logger.info("Drained: exiting")
         self.server.should_exit = True
