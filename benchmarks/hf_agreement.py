@@ -3,7 +3,8 @@
 The default model (exported to an HF folder, as benchmarks/vs_vllm.py does) answers a set of
 everyday chat prompts, greedy, --max-tokens tokens, in --dtype (bf16 by default): HF generates each
 prompt alone; pdserve (`LLM.chat`, all prompts in one call) runs in a process of its own, and with
---baseline DIR also from another checkout (`git worktree add DIR <commit>`) for a before/after.
+--baseline DIR also from another checkout (`git worktree add DIR <commit>`) for a before/after,
+each worker reporting which checkout it imported.
 Prints, per engine, how many answers equal HF's token for token and the first answers, then a
 final JSON line.
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,8 +47,10 @@ PROMPTS = [
 
 
 def pdserve_answers(model: str, dtype: str, max_tokens: int) -> list[list[int]]:
+    import pdserve
     from pdserve import LLM, SamplingParams
 
+    print(f"pdserve from {Path(pdserve.__file__).parent}", file=sys.stderr)
     with LLM(model=model, dtype=dtype, max_model_len=512) as llm:
         outs = llm.chat(
             [[{"role": "user", "content": p}] for p in PROMPTS],
@@ -85,8 +87,10 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a pdserve checkout to run as well")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/pdserve-bench")
     parser.add_argument("--pdserve-worker", help=argparse.SUPPRESS)  # a model folder
+    parser.add_argument("--pdserve-root", help=argparse.SUPPRESS)  # the checkout it imports
     args = parser.parse_args()
     if args.pdserve_worker:
+        sys.path.insert(0, args.pdserve_root)
         print(json.dumps(pdserve_answers(args.pdserve_worker, args.dtype, args.max_tokens)))
         return
 
@@ -97,20 +101,21 @@ def main() -> None:
     model = str(resolve_model("default", args.dtype, args.cache_dir))
     tokenizer = AutoTokenizer.from_pretrained(model)
     reference = hf_answers(model, args.dtype, args.max_tokens)
-    checkouts = {"pdserve": None, **({"baseline": args.baseline} if args.baseline else {})}
+    here = Path(__file__).resolve().parents[1]
+    checkouts = {
+        "pdserve": here,
+        **({"baseline": args.baseline.resolve()} if args.baseline else {}),
+    }
     results = {}
     for name, checkout in checkouts.items():
-        env = dict(os.environ)
-        if checkout is not None:
-            # Ahead of the editable install on the path: the worker imports that pdserve.
-            env["PYTHONPATH"] = str(checkout.resolve())
         worker = [sys.executable, __file__, "--pdserve-worker", model, "--dtype", args.dtype]
-        worker += ["--max-tokens", str(args.max_tokens)]
-        out = subprocess.run(worker, env=env, capture_output=True, text=True, check=True)
+        worker += ["--max-tokens", str(args.max_tokens), "--pdserve-root", str(checkout)]
+        out = subprocess.run(worker, capture_output=True, text=True, check=True)
         answers = json.loads(out.stdout.strip().splitlines()[-1])
         same = [a == r for a, r in zip(answers, reference, strict=True)]
         results[name] = sum(same)
-        print(f"{name}: {sum(same)}/{len(PROMPTS)} answers equal to HF's ({args.dtype})")
+        source = next(line for line in out.stderr.splitlines() if line.startswith("pdserve from"))
+        print(f"{name} ({source}): {sum(same)}/{len(PROMPTS)} answers equal to HF's ({args.dtype})")
         for prompt, answer, ok in list(zip(PROMPTS, answers, same, strict=True))[:3]:
             text = tokenizer.decode(answer, skip_special_tokens=True)
             print(f"  {'=' if ok else '!'} {prompt!r} -> {text!r}")

@@ -245,15 +245,12 @@ def main() -> None:
             # context of each figure.
             load = os.getloadavg()[0]
             runs_as = "pdserve" if engine == "baseline" else engine
-            env = engine_env(runs_as, args.threads, args.kv_cache_gib)
-            if engine == "baseline":
-                # Ahead of the editable install on the path: the driver imports its pdserve.
-                env["PYTHONPATH"] = str(args.baseline.resolve())
+            root = str(args.baseline.resolve()) if engine == "baseline" else None
             result = run_engine(
                 runs_as,
-                {**job, "engine_args": engine_args(runs_as, model, args)},
+                {**job, "engine_args": engine_args(runs_as, model, args), "pdserve_root": root},
                 pythons[runs_as],
-                env,
+                engine_env(runs_as, args.threads, args.kv_cache_gib),
                 log,
             )
             assert result["num_tokens"] == args.num_prompts * args.output_len, result["num_tokens"]

@@ -34,7 +34,8 @@ def run(job: dict) -> dict:
 
         version, source = vllm.__version__, vllm.__file__
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        # This checkout, or the one a --baseline run names.
+        sys.path.insert(0, job.get("pdserve_root") or str(Path(__file__).resolve().parents[1]))
         import pdserve
         from pdserve import LLM, SamplingParams
 
