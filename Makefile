@@ -31,11 +31,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=25 tests
 
 # pytest exits 5 when no test is marked slow; that is not a failure.
 test-slow: $(RAY_STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=40 -m slow tests; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=40 -m slow tests; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

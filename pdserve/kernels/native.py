@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -39,6 +40,17 @@ def _cpu_id() -> str:
             return next((line for line in f if line.startswith("flags")), platform.processor())
     except OSError:
         return platform.processor()
+
+
+def compiler_available() -> bool:
+    """Whether the configured compiler exists: without one the torch references run, and the
+    kernels' tests skip; a kernel that fails to build with one is an error to see."""
+    return shutil.which(envs.cxx_compiler()) is not None
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (avx512_bf16, amx_bf16, ...) for this CPU."""
+    return flag in _cpu_id().split()
 
 
 def _build(name: str) -> Path:

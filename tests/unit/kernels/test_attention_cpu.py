@@ -23,7 +23,7 @@ from pdserve.models.layers.rotary_embedding import get_rope
 from tests.unit.kernels.test_attention import MIXED, TOLERANCE, _batch
 
 pytestmark = pytest.mark.skipif(
-    native.load("paged_attention_cpu") is None, reason="no C++ compiler on this machine"
+    not native.compiler_available(), reason="no C++ compiler on this machine"
 )
 
 

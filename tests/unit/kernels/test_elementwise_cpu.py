@@ -14,7 +14,7 @@ from pdserve.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from pdserve.kernels.rotary import rotary_embedding_torch
 
 pytestmark = pytest.mark.skipif(
-    native.load("elementwise_cpu") is None, reason="no C++ compiler on this machine"
+    not native.compiler_available(), reason="no C++ compiler on this machine"
 )
 BF16 = torch.bfloat16
 

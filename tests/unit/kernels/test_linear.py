@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.kernels import native
 from pdserve.kernels.linear import can_pack, linear, pack_linear_weights, pack_weight
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_source
 from tests.utils.paged_batch import make_kv_cache, run_step
 from tests.utils.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(
-    not can_pack(torch.empty(1)), reason="no C++ compiler on this machine"
+    not native.compiler_available(), reason="no C++ compiler on this machine"
 )
 
 DTYPES = [torch.bfloat16, torch.float32]
