@@ -75,8 +75,9 @@ def run_until(done: Any, *instances: Instance) -> None:
     poll(one_round)
 
 
-def finish(*instances: Instance) -> None:
-    """Run until no instance has work left, then check every pool is full."""
+def finish(*instances: Instance, expired_leases: int = 0) -> None:
+    """Run until no instance has work left, then check every pool is full and that the release
+    each test names freed it, not a lease (30 s later, it would free the same blocks)."""
     run_until(
         lambda: (
             not any(
@@ -89,6 +90,8 @@ def finish(*instances: Instance) -> None:
     for inst in instances:
         inst.step()
         assert_scheduler_empty(inst.scheduler)
+    expired = sum(i.connector.get_stats().get("expired_leases", 0) for i in instances)
+    assert expired == expired_leases, f"{expired} leases expired"
 
 
 def landed(p: Instance, d: Instance, p_blocks: list[int], d_blocks: list[int]) -> bool:
@@ -278,8 +281,7 @@ def test_a_registration_that_never_comes_ends_with_the_lease(make: Any, transpor
     p = make("kv_producer", transport, kv_lease_duration=0.5)
     preq = prefill_request(prompt(2 * BLOCK_SIZE))
     p.scheduler.add_request(preq)
-    finish(p)
-    assert p.connector.get_stats()["expired_leases"] == 1
+    finish(p, expired_leases=1)
 
 
 @transports

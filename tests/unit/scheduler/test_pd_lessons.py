@@ -84,6 +84,8 @@ def run_until_both_empty(p: Instance, d: Instance) -> None:
     for instance in (p, d):
         instance.scheduler.schedule()  # carries the last finished ids to the worker
         assert_scheduler_empty(instance.scheduler)
+        # Freed by the release under test, not rescued by a lease that expired later.
+        assert instance.scheduler.connector.get_stats().get("expired_leases", 0) == 0
 
 
 # ---- pd_lessons 1 ---------------------------------------------------------------------------
