@@ -9,7 +9,6 @@ policy (instance settings). Liveness bounds are the clients' timeouts, never ass
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -24,7 +23,13 @@ import zmq
 
 from pdserve.utils import get_open_port
 from tests.utils.faults import FaultPlan, rule, without_faults
-from tests.utils.pd import greedy_body, prefill, split_request, start_instance
+from tests.utils.pd import (
+    greedy_body,
+    post_and_hang_up_later,
+    prefill,
+    split_request,
+    start_instance,
+)
 from tests.utils.server import RemoteServer, sigkill
 
 LEASE = 3  # seconds: heartbeats every 0.5 s
@@ -111,18 +116,6 @@ def test_lease_expires_when_no_decode_reads(faults: Pair) -> None:
     assert "lease expired" in p.read_log()
 
 
-def _post_and_hang_up_later(server: RemoteServer, body: dict[str, Any]) -> socket.socket:
-    """A completion request on a raw connection: closing the socket is the client going away."""
-    data = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", server.port))
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + data)
-    return sock
-
-
 def _until(done: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not done():
@@ -139,7 +132,7 @@ def test_abort_while_waiting_for_remote_kvs_frees_both(faults: Pair) -> None:
     faults.d_plan.set(rule("hold", "read", "delay", contains=params["remote_request_id"]))
     aborts = d.metric("request_success_total", finished_reason="abort")
     expired = p.metric("kv_expired_leases_total")
-    sock = _post_and_hang_up_later(d, {**faults.body(LONG, 500), "kv_transfer_params": params})
+    sock = post_and_hang_up_later(d, {**faults.body(LONG, 500), "kv_transfer_params": params})
     try:
         faults.d_plan.wait_fired("hold")
         # Its READ is ordered: the request is parked in WAITING_FOR_REMOTE_KVS, with blocks.

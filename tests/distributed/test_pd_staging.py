@@ -16,7 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.utils.pd import greedy_body, prefill, split_request, start_instance
+from tests.utils.faults import FaultPlan, rule
+from tests.utils.pd import (
+    greedy_body,
+    post_and_hang_up_later,
+    prefill,
+    split_request,
+    start_instance,
+)
 from tests.utils.server import RemoteServer, descendants
 from tests.utils.tiny_models import hf_greedy
 
@@ -93,26 +100,38 @@ def test_staged_split_matches_reference(
 
 @pytest.mark.slow
 def test_staging_freed_on_every_terminal_path(
-    tiny_model: Callable[[str], str], reference: list[list[int]]
+    tiny_model: Callable[[str], str], reference: list[list[int]], tmp_path: Path
 ) -> None:
     """Read, aborted while reading, never read (lease over), and a prefill side that died
     after the handshake (the read fails)."""
     model = tiny_model("llama")
+    d_plan = FaultPlan(tmp_path / "d")
     p = _staged(model, "kv_producer", kv_lease_duration=3)
-    d = _staged(model, "kv_consumer", handshake_timeout=2, transfer_timeout=3)
+    d = _staged(model, "kv_consumer", handshake_timeout=2, transfer_timeout=3, env=d_plan.env)
     try:
         resp = split_request(p, d, greedy_body(model, PROMPTS[2], MAX_TOKENS))
         assert resp.json()["choices"][0]["token_ids"] == reference[2]
 
-        params = prefill(p, greedy_body(model, PROMPTS[2], MAX_TOKENS))
-        with pytest.raises(httpx.TimeoutException):  # the client gives up while D reads
-            httpx.post(
-                f"{d.url}/v1/completions",
-                json={**greedy_body(model, PROMPTS[2], 200), "kv_transfer_params": params},
-                timeout=0.05,
-            )
+        # The client goes away while its READ is held open: the abort waits for the READ, whose
+        # done then frees both sides (not the lease).
+        params = prefill(p, greedy_body(model, PROMPTS[1], MAX_TOKENS))  # not cached on D
+        d_plan.set(rule("hold", "read", "delay", contains=params["remote_request_id"]))
+        aborts = d.metric("request_success_total", finished_reason="abort")
+        body = {**greedy_body(model, PROMPTS[1], 200), "kv_transfer_params": params}
+        sock = post_and_hang_up_later(d, body)
+        try:
+            d_plan.wait_fired("hold")
+        finally:
+            sock.close()
+        deadline = time.monotonic() + 30
+        while d.metric("request_success_total", finished_reason="abort") == aborts:
+            assert time.monotonic() < deadline, "the abort was not counted"
+            time.sleep(0.05)
+        d_plan.release("hold")
         _wait_all_free(d)
         _wait_all_free(p)
+        assert p.metric("kv_expired_leases_total") == 0
+        d_plan.set()
 
         prefill(p, greedy_body(model, PROMPTS[1], MAX_TOKENS))  # nobody reads it
         assert p.metric("kv_staging_free_blocks") < p.metric("kv_staging_total_blocks")

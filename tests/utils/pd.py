@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +183,15 @@ def hf_reference(model: str, prompts: list[str], max_tokens: int) -> list[list[i
     """HF transformers' greedy tokens for each text prompt."""
     tokenizer = AutoTokenizer.from_pretrained(model)
     return hf_greedy(Path(model), [tokenizer.encode(p) for p in prompts], max_tokens)
+
+
+def post_and_hang_up_later(server: RemoteServer, body: dict[str, Any]) -> socket.socket:
+    """A completion request on a raw connection: closing the socket is the client going away."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
