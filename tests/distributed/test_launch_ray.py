@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.utils.pd import complete_all, hf_reference
+from tests.utils.pd import complete_all, greedy_body, hf_reference
 from tests.utils.procs import wait_until_gone
 from tests.utils.server import MetricsReader, RemoteServer
 
@@ -179,6 +179,16 @@ def test_push_mode_on_ray_and_ctrl_c_stops_everything(
         assert _complete(proxy, model) == _reference(model)
         serve = _serve_pids(model)
         assert len(serve) == 2
+        # Pushed, not pulled: pull mode gives the same tokens, so the tokens alone would pass
+        # with --kv-mode ignored on Ray.
+        for pid in serve:
+            assert b"NixlPushConnector" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        resp = httpx.post(
+            f"{proxy.url}/v1/completions",
+            json=greedy_body(model, PROMPTS[-1], MAX_TOKENS),
+            timeout=120,
+        )
+        assert resp.headers["X-PD-KV-Mode"] == "push"
         proxy.proc.send_signal(signal.SIGINT)
         assert proxy.proc.wait(120) == 0
         assert wait_until_gone(serve, 60) == []
