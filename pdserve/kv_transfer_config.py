@@ -174,11 +174,3 @@ class KVTransferConfig:
         """Blocks of the host staging buffer (and of the scheduler's staging pool); None: as
         many as the KV cache has."""
         return self._extra("host_buffer_blocks", None)
-
-    @property
-    def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")

@@ -73,10 +73,6 @@ class MultiprocExecutor(Executor):
             raise
         self._start_background_threads()
 
-    @property
-    def local_world_size(self) -> int:
-        return self.world_size
-
     def _start_workers(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{get_open_port()}"

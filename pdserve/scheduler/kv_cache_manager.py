@@ -61,7 +61,6 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
-        num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         reserved_blocks: int = 0,
@@ -78,9 +77,7 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + num_new_tokens
         if num_new_computed_tokens or num_external_computed_tokens:
             num_tokens += num_new_computed_tokens + num_external_computed_tokens
-        num_slots = num_tokens + num_lookahead_tokens if num_lookahead_tokens else num_tokens
-        if num_slots > self.max_model_len:
-            num_slots = self.max_model_len
+        num_slots = min(num_tokens, self.max_model_len)
         req_blocks = self.req_to_blocks.get(req_id)
         if req_blocks is None:
             new_blocks = self._allocate_first_blocks(

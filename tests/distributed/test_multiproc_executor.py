@@ -37,7 +37,6 @@ def executor(request, tiny_model):
 def test_initialization(executor):
     tp = executor.config.parallel_config.tensor_parallel_size
     assert executor.world_size == tp
-    assert executor.local_world_size == tp
     assert len(executor.workers) == tp
     assert executor.output_rank == 0
     assert all(w.proc.is_alive() for w in executor.workers)

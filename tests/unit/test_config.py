@@ -246,5 +246,5 @@ def test_kv_transfer_config_defaults_follow_vllm(tiny_model):
     kv = config.kv_transfer_config
     assert kv.transport == "nixl" and kv.kv_lease_duration == 30.0
     assert kv.kv_load_failure_policy == "fail" and kv.enforce_handshake_compat
-    assert kv.is_consumer and not kv.is_producer
+    assert kv.kv_role == "kv_consumer"
     assert kv.engine_id  # a random id unless given
