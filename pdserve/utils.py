@@ -25,6 +25,11 @@ _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _PORT_TRIES = 64
 
 
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up (blocks for a count of tokens, shards for a count of rows)."""
+    return -(a // -b)
+
+
 def _server_ports() -> list[int]:
     try:
         with open(_EPHEMERAL_RANGE) as f:

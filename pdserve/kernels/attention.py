@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import backend, native
+from pdserve.utils import cdiv
 
 if backend.HAS_TRITON:
     from pdserve.kernels.attention_triton import paged_attention_triton
@@ -53,7 +54,7 @@ def paged_attention_torch(
     if num_reqs == 0:
         return query.new_empty(0, num_heads, head_dim)
     block_size = kv_cache.shape[2]
-    num_blocks = (md.max_seq_len + block_size - 1) // block_size
+    num_blocks = cdiv(md.max_seq_len, block_size)
     max_kv = num_blocks * block_size
     device = query.device
 

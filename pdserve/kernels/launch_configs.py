@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.utils import cdiv
+
 # Paged attention: a prefill query block holds this many rows (tokens x GQA heads); tl.dot
 # needs every dimension to be at least DOT_MIN, so decode blocks and small heads are padded.
 ATTENTION_ROWS = 64
@@ -111,7 +113,7 @@ class ModelShape:
             ((2 if self.gated_mlp else 1) * ffn, self.hidden_size, self.bias),
             (self.hidden_size, ffn, row_bias),
         ]
-        vocab = -(-self.vocab_size // tp)
+        vocab = cdiv(self.vocab_size, tp)
         return [MatmulLaunch(dtype, n, k, bias, logits=False) for n, k, bias in shapes] + [
             MatmulLaunch(dtype, vocab, self.hidden_size, bias=False, logits=True)
         ]

@@ -25,6 +25,7 @@ from torch import nn
 
 from pdserve import envs
 from pdserve.kernels import backend, native
+from pdserve.utils import cdiv
 
 if backend.HAS_TRITON:
     from pdserve.kernels.matmul_triton import matmul_triton
@@ -46,7 +47,7 @@ class PackedWeight:
 
 
 def _round_up(x: int, to: int) -> int:
-    return (x + to - 1) // to * to
+    return cdiv(x, to) * to
 
 
 @functools.cache

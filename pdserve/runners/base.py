@@ -29,12 +29,9 @@ from pdserve.runners.prompt_logprobs import (
 from pdserve.runners.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.output import GrammarBitmask, SchedulerOutput
+from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pdserve.request import Request
 from pdserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from pdserve.scheduler.kv_cache_utils import request_block_hasher
+from pdserve.utils import cdiv
 
 
 class KVCacheManager:
@@ -90,7 +91,7 @@ class KVCacheManager:
             assert not new_computed_blocks, "prefix hits come only with a request's first blocks"
             # A decode whose last block still has room needs nothing.
             new_blocks = []
-            num_blocks_to_allocate = -(-num_slots // block_size) - len(req_blocks)
+            num_blocks_to_allocate = cdiv(num_slots, block_size) - len(req_blocks)
             if num_blocks_to_allocate > 0:
                 num_free_blocks = self.block_pool.free_block_queue.num_free_blocks
                 if num_blocks_to_allocate > num_free_blocks - reserved_blocks:
@@ -134,7 +135,7 @@ class KVCacheManager:
         reserved_blocks: int,
     ) -> list[KVCacheBlock] | None:
         """The block table of a request that holds none: prefix hits first, then new blocks."""
-        num_blocks_to_allocate = -(-num_slots // self.block_size)
+        num_blocks_to_allocate = cdiv(num_slots, self.block_size)
         num_evictable_hits = 0
         if new_computed_blocks:
             assert self.enable_caching

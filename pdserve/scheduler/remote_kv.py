@@ -17,6 +17,7 @@ from pdserve.request import Request, RequestStatus
 from pdserve.scheduler.block_pool import KVCacheBlock
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class RemoteKVRequests:
         """Blocks the request lacks for all its known tokens while it has slots for only
         `num_slotted_tokens`."""
         block_size = self.kv_cache_manager.block_size
-        return max(0, -(-request.num_tokens // block_size) - -(-num_slotted_tokens // block_size))
+        return max(0, cdiv(request.num_tokens, block_size) - cdiv(num_slotted_tokens, block_size))
 
     def _num_blocks_to_complete(self, request: Request) -> int:
         """What a waiting request that holds blocks (its KV is loading, or arrived) still needs

@@ -31,6 +31,7 @@ from pdserve.kv_connector.nixl.metadata import (
 )
 from pdserve.kv_connector.nixl.topology import RemoteEngine, Topology
 from pdserve.kv_connector.transport.base import Transport, XferState, block_descs
+from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -182,12 +183,12 @@ class PushSender:
 
     def _first_block(self, reg: _Registration, meta: PushReqMeta) -> int:
         """The prompt block the registration's first block takes: its blocks are the last."""
-        return -(-meta.num_prompt_tokens // self.block_size) - len(reg.msg.block_ids)
+        return cdiv(meta.num_prompt_tokens, self.block_size) - len(reg.msg.block_ids)
 
     def _num_ready(self, reg: _Registration, meta: PushReqMeta) -> int:
         """Of the registration's blocks, how many (from its first) hold final KV."""
         if meta.num_final_tokens >= meta.num_prompt_tokens:
-            final = -(-meta.num_prompt_tokens // self.block_size)
+            final = cdiv(meta.num_prompt_tokens, self.block_size)
         else:
             final = meta.num_final_tokens // self.block_size
         return max(0, min(final, len(meta.block_ids)) - self._first_block(reg, meta))

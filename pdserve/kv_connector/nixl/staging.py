@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.kv_connector.nixl.metadata import SaveReqMeta
+from pdserve.utils import cdiv
 
 if TYPE_CHECKING:
     from pdserve.request import Request
@@ -53,7 +54,7 @@ class StagingPool:
         return len(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def get(self, req_id: str) -> list[int] | None:
         return self._held.get(req_id)

@@ -14,6 +14,7 @@ from pdserve.distributed.parallel_state import (
 )
 from pdserve.kernels.linear import PackedWeight, linear
 from pdserve.models.utils import default_weight_loader
+from pdserve.utils import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -28,7 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
-        per_partition = -(-num_embeddings // self.tp_size)
+        per_partition = cdiv(num_embeddings, self.tp_size)
         self.vocab_start = self.tp_rank * per_partition
         self.vocab_end = min(self.vocab_start + per_partition, num_embeddings)
         self.weight = nn.Parameter(
