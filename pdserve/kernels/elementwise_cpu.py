@@ -127,24 +127,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
 
 def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """sigmoid(gate) * x for gate [T, 1] and x [T, d], each row's bits its own."""
+    fn = None
     if _applies(gate, x) and gate.dim() == 2 and gate.shape[1] == 1:
         fn = native.function(
             "elementwise_cpu", "pdserve_sigmoid_mul", _INT, _P, _I64, _P, _P, _I64, _I64, _I64,
             _INT,
         )  # fmt: skip
-        if fn is not None:
-            x2 = _rows(x)
-            out = torch.empty(x2.shape, dtype=x.dtype)
-            fn(
-                _DTYPES[x.dtype],
-                gate.data_ptr(),
-                gate.stride(0),
-                x2.data_ptr(),
-                out.data_ptr(),
-                x2.shape[0],
-                x2.shape[1],
-                x2.stride(0),
-                torch.get_num_threads(),
-            )
-            return out
-    return torch.sigmoid(gate) * x
+    if fn is None:
+        return torch.sigmoid(gate) * x
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    fn(
+        _DTYPES[x.dtype],
+        gate.data_ptr(),
+        gate.stride(0),
+        x2.data_ptr(),
+        out.data_ptr(),
+        x2.shape[0],
+        x2.shape[1],
+        x2.stride(0),
+        torch.get_num_threads(),
+    )
+    return out

@@ -101,16 +101,33 @@ inline void prefetch_next(const char* next, int64_t step, int64_t next_bytes) {
 #endif
 }
 
+#ifdef __AVX512F__
+// R rows' sums, 32 features (two vectors) each, zeroed and then stored into c. Every loop over
+// the rows is unrolled (here and in the kernels), so that GCC keeps the sums in registers: else
+// it stores the array back to the stack at each step, halving the kernels' speed.
+template <int R>
+__attribute__((always_inline)) inline void zero_sums(__m512 (&acc)[R][2]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+}
+
+template <int R>
+__attribute__((always_inline)) inline void store_sums(const __m512 (&acc)[R][2], float* c) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * kBlockN, acc[r][0]);
+    _mm512_storeu_ps(c + r * kBlockN + 16, acc[r][1]);
+  }
+}
+#endif
+
 #ifdef PDSERVE_AVX512_BF16
 // R rows of one bf16 panel with vdpbf16ps: per k pair, lane j += x0 * w0[j] + x1 * w1[j].
 template <int R>
 void dot_rows_bf16(const uint16_t* a, int64_t stride_a, int64_t num_kb, const uint16_t* panel,
                    const char* next, int64_t next_bytes, float* c) {
-  // Every loop over r unrolled, so that GCC keeps acc in registers (else it stores the array
-  // back to the stack at each step, halving the kernel's speed).
   __m512 acc[R][2];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  zero_sums<R>(acc);
   for (int64_t kb = 0; kb < num_kb; ++kb) {
     prefetch_next(next, kb, next_bytes);
     const uint16_t* b = panel + kb * 2 * kHalf;
@@ -128,11 +145,7 @@ void dot_rows_bf16(const uint16_t* a, int64_t stride_a, int64_t num_kb, const ui
       }
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(c + r * kBlockN, acc[r][0]);
-    _mm512_storeu_ps(c + r * kBlockN + 16, acc[r][1]);
-  }
+  store_sums<R>(acc, c);
 }
 #endif
 
@@ -140,11 +153,8 @@ void dot_rows_bf16(const uint16_t* a, int64_t stride_a, int64_t num_kb, const ui
 template <int R>
 void dot_rows_f32(const float* a, int64_t stride_a, int64_t k, const float* panel,
                   const char* next, int64_t next_bytes, float* c) {
-  // Every loop over r unrolled, so that GCC keeps acc in registers (else it stores the array
-  // back to the stack at each step, halving the kernel's speed).
   __m512 acc[R][2];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  zero_sums<R>(acc);
   for (int64_t kk = 0; kk < k; ++kk) {
     if (kk % 16 == 0) prefetch_next(next, kk / 16, next_bytes);
     const __m512 b0 = _mm512_loadu_ps(panel + kk * kBlockN);
@@ -156,11 +166,7 @@ void dot_rows_f32(const float* a, int64_t stride_a, int64_t k, const float* pane
       acc[r][1] = _mm512_fmadd_ps(xv, b1, acc[r][1]);
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(c + r * kBlockN, acc[r][0]);
-    _mm512_storeu_ps(c + r * kBlockN + 16, acc[r][1]);
-  }
+  store_sums<R>(acc, c);
 }
 #endif
 
