@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "norm_linear.h"
 #include "packed_linear.h"
 #include "paged_attention.h"
 
