@@ -7,12 +7,15 @@ one after the other; then all of them again at once among --crowd other requests
 lengths. A probe counts as identical when its tokens are. The split's lone answers are also
 compared with the single instance's (the split's promise: a single instance's tokens).
 
+--vllm-python V/bin/python runs the same probes against vLLM's CPU build (`vllm serve` on the
+same weights, exported as benchmarks/vs_vllm.py does) first, as the peer.
+
 --baseline DIR runs the same deployments from another pdserve checkout (say `git worktree add
 DIR <commit>`), started in that directory (so that `python -m pdserve` imports it), for a
 before/after in one run.
 
 Usage: .venv/bin/python benchmarks/batch_invariance.py [--model M] [--dtype bfloat16]
-       [--probes 12] [--crowd 48] [--max-tokens 64] [--baseline DIR]
+       [--probes 12] [--crowd 48] [--max-tokens 64] [--baseline DIR] [--vllm-python P]
 Prints a table and a final JSON line.
 """
 
@@ -21,13 +24,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The environment this script was started with: vLLM runs in it, not in what `import pdserve`
+# adds for pdserve's own processes (its OpenMP defaults).
+USER_ENV = dict(os.environ)
 
 from serving import launch_server, stop_server, wait_healthy  # noqa: E402
 
@@ -46,7 +54,7 @@ def prompts(rng: random.Random, n: int, low: int, high: int) -> list[str]:
 
 async def complete(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> list:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    body["ignore_eos"] = True
+    body |= {"ignore_eos": True, "return_token_ids": True}  # vLLM returns ids when asked
     response = await client.post("/v1/completions", json=body)
     response.raise_for_status()
     return response.json()["choices"][0]["token_ids"]
@@ -73,12 +81,34 @@ async def probe(base_url: str, args: argparse.Namespace) -> tuple[list, list]:
 def run(command: str, server_args: list[str], checkout: Path | None, args) -> tuple[list, list]:
     port = get_open_port()
     proc = launch_server(port, server_args, command, cwd=checkout)
+    return serve_and_probe(proc, port, args)
+
+
+def serve_and_probe(proc: subprocess.Popen, port: int, args) -> tuple[list, list]:
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, base_url)
         return asyncio.run(probe(base_url, args))
     finally:
         stop_server(proc)
+
+
+def run_vllm(args) -> tuple[list, list]:
+    """vLLM's OpenAI server on the exported weights, with vs_vllm.py's fairness settings."""
+    from vs_vllm import engine_env, resolve_model
+
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    model = resolve_model(args.model or "default", args.dtype, args.cache_dir)
+    port = get_open_port()
+    cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    cmd += ["--port", str(port), "--dtype", args.dtype, "--max-model-len", "2048"]
+    vllm_env = engine_env("vllm", len(os.sched_getaffinity(0)), kv_cache_gib=2)
+    env = {**USER_ENV, **{k: v for k, v in vllm_env.items() if k.startswith("VLLM_")}}
+    with open(args.cache_dir / "batch_invariance-vllm.log", "w") as log:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return serve_and_probe(proc, port, args)
 
 
 def main() -> None:
@@ -91,6 +121,8 @@ def main() -> None:
     parser.add_argument("--crowd", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--baseline", type=Path, help="a pdserve checkout to run as well")
+    parser.add_argument("--vllm-python", type=Path, help="vLLM's environment's python: the peer")
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/pdserve-bench")
     args = parser.parse_args()
     server_args = ["--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
     checkouts = {"this": None, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
@@ -100,6 +132,11 @@ def main() -> None:
     }
     results = []
     print(f"{'checkout':<10}{'deployment':<13}{'identical alone vs crowd':>26}{'= single':>10}")
+    if args.vllm_python:
+        alone, together = run_vllm(args)
+        same = sum(a == b for a, b in zip(alone, together, strict=True))
+        print(f"{'vllm':<10}{'serve':<13}{f'{same}/{len(alone)}':>26}", flush=True)
+        results.append({"checkout": "vllm", "deployment": "serve", "identical": same})
     for checkout, path in checkouts.items():
         single_alone = None
         for name, (command, flags) in deployments.items():
