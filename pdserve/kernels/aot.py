@@ -47,9 +47,8 @@ from pdserve.kernels.kv_cache import write_kv_cache_triton
 from pdserve.kernels.matmul_triton import matmul_triton
 from pdserve.kernels.norm import fused_add_rms_norm_triton, rms_norm_triton
 from pdserve.kernels.rotary import rotary_embedding_triton
+from pdserve.kernels.sampling import SamplingInputs
 from pdserve.kernels.sampling_triton import sample_tokens_triton, topk_logprobs_triton
-from pdserve.runners.sampler import SamplingMetadata
-from pdserve.sampling_params import SamplingParams
 
 ARCHS = (80, 90)
 # Every configuration runs with each (batch size, max_model_len): the JIT specializes integer
@@ -217,18 +216,28 @@ def _prepare_inputs(launch: lc.PrepareInputsLaunch, batch: int, max_model_len: i
 
 
 def _sample(launch: lc.SamplingLaunch, batch: int, max_model_len: int) -> None:
-    params = SamplingParams(
-        temperature=0.0 if launch.all_greedy else 0.8,
-        top_k=5 if launch.top_k else 0,
-        top_p=0.9 if launch.top_p else 1.0,
-        min_p=0.1 if launch.min_p else 0.0,
-        repetition_penalty=1.2 if launch.penalties else 1.0,
-        seed=7,
+    # What the sampler's metadata holds for a batch of rows alike: a greedy row turns top-k,
+    # top-p and min-p off, and one penalty sets every penalty tensor.
+    def rows(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((batch,), value, dtype=dtype)
+
+    greedy, penalties = launch.all_greedy, launch.penalties
+    inputs = SamplingInputs(
+        temperature=rows(0.0 if greedy else 0.8),
+        all_greedy=greedy,
+        all_random=not greedy,
+        top_k=rows(5, torch.int64) if launch.top_k and not greedy else None,
+        top_p=rows(0.9) if launch.top_p and not greedy else None,
+        min_p=rows(0.1) if launch.min_p and not greedy else None,
+        seeds=[7] * batch,
+        output_positions=[2] * batch,
+        output_token_ids=[[1, 2]] * batch,
+        prompt_token_ids=[[3]] * batch if penalties else None,
+        presence_penalties=rows(0.0) if penalties else None,
+        frequency_penalties=rows(0.0) if penalties else None,
+        repetition_penalties=rows(1.2) if penalties else None,
     )
-    md = SamplingMetadata.from_params(
-        [params] * batch, [[1, 2]] * batch, [[3]] * batch, [None] * batch, "cpu"
-    )
-    sample_tokens_triton(torch.zeros(batch, launch.vocab_size, dtype=launch.dtype), md)
+    sample_tokens_triton(torch.zeros(batch, launch.vocab_size, dtype=launch.dtype), inputs)
 
 
 def _logprobs(launch: lc.LogprobsLaunch, batch: int, max_model_len: int) -> None:
