@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Protocol
 import httpx
 
 from pdserve import envs
+from pdserve.core_board import create_board
 from pdserve.entrypoints.proxy_routing import add_routing_args, routing_flags
-from pdserve.executor.cpu_cores import create_board
 from pdserve.utils import get_open_port
 
 if TYPE_CHECKING:

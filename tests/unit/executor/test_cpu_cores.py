@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams, envs
+from pdserve.core_board import CoreBoard, create_board
 from pdserve.executor import cpu_cores
-from pdserve.executor.cpu_cores import CoreBoard, FixedThreads, cpu_threads, create_board
+from pdserve.executor.cpu_cores import FixedThreads, cpu_threads
 from pdserve.scheduler.output import CachedRequestData, SchedulerOutput
 
 
