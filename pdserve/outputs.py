@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

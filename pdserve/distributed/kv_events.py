@@ -20,12 +20,14 @@ import threading
 import time
 from collections import deque
 from itertools import count
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
-from pdserve.kv_events_config import KVEventsConfig
+if TYPE_CHECKING:
+    from pdserve.config.kv_events import KVEventsConfig
+
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from pdserve.engine.input_processor import (
 from pdserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.kv_connector.first_token import shipped_logprobs
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.metrics import EngineMetrics
 from pdserve.outputs import EngineCoreOutput, RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams

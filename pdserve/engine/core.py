@@ -14,11 +14,11 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from pdserve.config import EngineConfig
+from pdserve.core_board import instance_board
 from pdserve.distributed.kv_events import make_event_publisher, new_batch
 from pdserve.engine.input_processor import check_prompt
 from pdserve.engine.messages import EngineCoreRequest
 from pdserve.executor.base import Executor
-from pdserve.executor.cpu_cores import instance_board
 from pdserve.kv_connector.factory import create_scheduler_connector
 from pdserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.request import FinishReason, Request, RequestStatus
@@ -28,7 +28,7 @@ from pdserve.scheduler.stats import SchedulerStats
 from pdserve.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
-    from pdserve.kv_connector.params import KVTransferParams
+    from pdserve.kv_transfer_params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 

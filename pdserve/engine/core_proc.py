@@ -28,7 +28,7 @@ from pdserve.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.utils import FAILED, READY, exit_with_parent
 
 logger = logging.getLogger(__name__)

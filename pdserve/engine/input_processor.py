@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from pdserve.config import EngineConfig
 from pdserve.engine.messages import EngineCoreRequest
 from pdserve.kv_connector.first_token import shipped_first_token
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
 # A string, or vLLM's TextPrompt {"prompt": "..."} or TokensPrompt {"prompt_token_ids": [...]},

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.outputs import EngineCoreOutput
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams

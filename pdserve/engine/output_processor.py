@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.kv_connector.first_token import first_token_logprobs
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.outputs import (
     CompletionOutput,
     EngineCoreOutput,

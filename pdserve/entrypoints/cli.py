@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.engine_args import add_engine_args, engine_kwargs
+from pdserve.config.args import add_engine_args, engine_kwargs
 
 DEMO_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",

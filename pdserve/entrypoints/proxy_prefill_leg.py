@@ -13,7 +13,7 @@ from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.proxy_instances import Instance, failed, forwarded_error
 from pdserve.entrypoints.proxy_prompt_logprobs import PromptLogprobs
 from pdserve.entrypoints.proxy_routing import Router
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 
 
 @dataclass

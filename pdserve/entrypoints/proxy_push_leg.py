@@ -22,7 +22,7 @@ from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.entrypoints.proxy_instances import Instance, failed
 from pdserve.entrypoints.proxy_prefill_leg import PrefillLeg, is_one_token, one_token_hop
 from pdserve.entrypoints.proxy_routing import Router
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 

@@ -10,25 +10,13 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from pdserve.config import EngineConfig
+from pdserve.config.plugins import EXECUTORS
 from pdserve.kv_connector.aggregator import KVOutputAggregator
 from pdserve.outputs import ModelRunnerOutput
-from pdserve.registry import Registry
 from pdserve.scheduler.output import SchedulerOutput
 
 if TYPE_CHECKING:
     from pdserve.executor.worker import Worker
-
-# ParallelConfig validates against it, so this module stays light to import: the worker (and
-# the model zoo behind it) is imported where a worker is built.
-EXECUTORS: Registry[type[Executor]] = Registry(
-    "executor",
-    "distributed_executor_backend",
-    {
-        "uni": "pdserve.executor.uniproc:UniProcExecutor",
-        "mp": "pdserve.executor.multiproc:MultiprocExecutor",
-        "ray": "pdserve.executor.ray_executor:RayExecutor",
-    },
-)
 
 
 def worker_class(config: EngineConfig) -> type[Worker]:

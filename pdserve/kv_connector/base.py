@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdserve.config import EngineConfig
-    from pdserve.kv_connector.params import KVTransferParams
+    from pdserve.kv_transfer_params import KVTransferParams
     from pdserve.outputs import KVConnectorOutput
     from pdserve.request import Request
     from pdserve.scheduler.block_pool import KVCacheBlock

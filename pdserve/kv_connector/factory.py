@@ -5,21 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.kv_connector.base import KVConnectorHalves, KVConnectorScheduler, KVConnectorWorker
+from pdserve.config.plugins import CONNECTORS
+from pdserve.kv_connector.base import KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_connector.noop import NoKVConnectorScheduler, NoKVConnectorWorker
-from pdserve.registry import Registry
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
-
-CONNECTORS: Registry[KVConnectorHalves] = Registry(
-    "KV connector",
-    "kv_transfer_config.kv_connector",
-    {
-        "NixlConnector": "pdserve.kv_connector.nixl.connector:NIXL_CONNECTOR",
-        "NixlPushConnector": "pdserve.kv_connector.nixl.connector:NIXL_PUSH_CONNECTOR",
-    },
-)
 
 
 def create_scheduler_connector(config: EngineConfig) -> KVConnectorScheduler:

@@ -18,7 +18,7 @@ With n > 1 only the first sequence continues from the shipped token: it has the 
 
 from __future__ import annotations
 
-from pdserve.kv_connector.params import FirstTokenLogprobs, KVTransferParams
+from pdserve.kv_transfer_params import FirstTokenLogprobs, KVTransferParams
 from pdserve.outputs import LogprobsLists
 from pdserve.sampling_params import SamplingParams
 

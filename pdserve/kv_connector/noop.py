@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.kv_connector.params import KVTransferParams
+    from pdserve.kv_transfer_params import KVTransferParams
     from pdserve.outputs import KVConnectorOutput
     from pdserve.request import Request
     from pdserve.scheduler.block_pool import KVCacheBlock

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.model_config import ModelConfig
+from pdserve.config.model import ModelConfig
 from pdserve.scheduler.output import GrammarBitmask
 from pdserve.structured_output.grammar import compile_grammar, error_message
 

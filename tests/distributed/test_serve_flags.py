@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from pdserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from pdserve.engine_args import add_engine_args, engine_kwargs
-from pdserve.model_config import ModelConfig
+from pdserve.config.args import add_engine_args, engine_kwargs
+from pdserve.config.model import ModelConfig
 from tests.utils.server import RemoteServer
 
 

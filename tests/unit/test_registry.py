@@ -42,7 +42,7 @@ def test_missing_library_propagates_as_import_error() -> None:
 
 
 def test_executors_by_name() -> None:
-    from pdserve.executor.base import EXECUTORS
+    from pdserve.config.plugins import EXECUTORS
     from pdserve.executor.multiproc import MultiprocExecutor
     from pdserve.executor.uniproc import UniProcExecutor
 
@@ -55,7 +55,8 @@ def test_executors_by_name() -> None:
 
 
 def test_transports_by_name() -> None:
-    from pdserve.kv_connector.transport import BACKENDS, TRANSPORTS
+    from pdserve.config.plugins import TRANSPORTS
+    from pdserve.kv_connector.transport import BACKENDS
 
     assert BACKENDS == TRANSPORTS.supported_names() == ("nixl", "ucx")
     with pytest.raises(

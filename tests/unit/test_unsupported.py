@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from pdserve import engine_args
 from pdserve.config import EngineConfig
+from pdserve.config import args as engine_args
+from pdserve.config.unsupported import UNSUPPORTED_FEATURES, UnsupportedFeature
 from pdserve.entrypoints import cli
-from pdserve.unsupported import UNSUPPORTED_FEATURES, UnsupportedFeature
 
 FEATURES = list(UNSUPPORTED_FEATURES.values())
 IDS = [f.arg for f in FEATURES]

@@ -47,7 +47,7 @@ from pdserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pdserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pdserve.entrypoints.openai.tokenization import detokenize, tokenize
 from pdserve.entrypoints.openai.tool_calls import TOOL_PARSERS
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pdserve.entrypoints.openai import tool_calls
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pdserve.structured_output import grammar
 

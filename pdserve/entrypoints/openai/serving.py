@@ -19,7 +19,7 @@ from pdserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from pdserve.kv_connector.params import KV_LOAD_FAILED, KVTransferParams
+from pdserve.kv_transfer_params import KV_LOAD_FAILED, KVTransferParams
 from pdserve.outputs import Logprob, RequestOutput, RequestOutputKind
 from pdserve.sampling_params import SamplingParams
 

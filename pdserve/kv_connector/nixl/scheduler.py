@@ -11,6 +11,7 @@ import logging
 import secrets
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -27,11 +28,13 @@ from pdserve.kv_connector.nixl.metadata import (
     RemoteAddress,
 )
 from pdserve.kv_connector.nixl.staging import StagingPool
-from pdserve.kv_connector.params import KVTransferParams, RemoteLease
+from pdserve.kv_transfer_params import KVTransferParams, RemoteLease
 from pdserve.outputs import KVConnectorOutput
 from pdserve.request import Request, RequestStatus
-from pdserve.scheduler.block_pool import KVCacheBlock
-from pdserve.scheduler.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from pdserve.scheduler.block_pool import KVCacheBlock
+    from pdserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -54,7 +55,9 @@ from pdserve.kv_connector.transport.base import (
     memory_kind,
 )
 from pdserve.outputs import KVConnectorOutput
-from pdserve.scheduler.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from pdserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,6 @@ a notification."""
 
 from pdserve.kv_connector.transport.base import (
     BACKENDS,
-    TRANSPORTS,
     Desc,
     Transport,
     XferOp,
@@ -14,7 +13,6 @@ from pdserve.kv_connector.transport.base import (
 
 __all__ = [
     "BACKENDS",
-    "TRANSPORTS",
     "Desc",
     "Transport",
     "XferOp",

@@ -20,7 +20,7 @@ import msgspec
 import torch
 
 from pdserve import envs
-from pdserve.registry import Registry
+from pdserve.config.plugins import TRANSPORTS
 
 
 class XferOp(enum.Enum):
@@ -219,14 +219,6 @@ def block_descs(
     return local, remote
 
 
-TRANSPORTS: Registry[type[Transport]] = Registry(
-    "KV transport",
-    "kv_transfer_config.kv_connector_extra_config.transport",
-    {
-        "nixl": "pdserve.kv_connector.transport.nixl:NixlTransport",
-        "ucx": "pdserve.kv_connector.transport.ucx:UcxTransport",
-    },
-)
 BACKENDS = TRANSPORTS.supported_names()
 # The package that brings each backend's library, for the error when it cannot be imported.
 _INSTALL_HINTS = {"nixl": "pip install nixl-cu12==1.5.1", "ucx": "pip install ucxx-cu12==0.52.0"}

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.config.kv_events import KVEventsConfig
 from pdserve.distributed.kv_event_subscriber import CachedBlocks, KVEventSubscriber
 from pdserve.distributed.kv_events import (
     AllBlocksCleared,
@@ -20,7 +21,6 @@ from pdserve.distributed.kv_events import (
     external_block_hash,
     make_event_publisher,
 )
-from pdserve.kv_events_config import KVEventsConfig
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.block_pool import BlockPool

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.kv_connector.first_token import shipped_logprobs
-from pdserve.kv_connector.params import FirstTokenLogprobs, KVTransferParams
+from pdserve.kv_transfer_params import FirstTokenLogprobs, KVTransferParams
 from pdserve.outputs import EngineCoreOutput, LogprobsLists, RequestOutputKind
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams

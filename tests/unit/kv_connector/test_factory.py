@@ -6,11 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import EngineConfig
-from pdserve.kv_connector.factory import (
-    CONNECTORS,
-    create_scheduler_connector,
-    create_worker_connector,
-)
+from pdserve.config.plugins import CONNECTORS
+from pdserve.kv_connector.factory import create_scheduler_connector, create_worker_connector
 from pdserve.kv_connector.nixl.scheduler import NixlConnectorScheduler
 from pdserve.kv_connector.nixl.worker import NixlConnectorWorker
 from pdserve.kv_connector.noop import NoKVConnectorScheduler, NoKVConnectorWorker

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pdserve.kv_connector.first_token import shipped_first_token
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.sampling_params import SamplingParams
 
 EOS = 2

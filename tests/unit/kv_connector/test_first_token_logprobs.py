@@ -12,7 +12,7 @@ from pdserve.kv_connector.first_token import (
     shipped_first_token,
     shipped_logprobs,
 )
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.outputs import LogprobsLists
 from pdserve.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kv_transfer_config import KVTransferConfig
+from pdserve.config.kv_transfer import KVTransferConfig
 
 
 def _config(kv_buffer_device: str | None = None, **extra: object) -> KVTransferConfig:

@@ -25,7 +25,7 @@ from pdserve.kv_connector.nixl.metadata import (
     RemoteAddress,
 )
 from pdserve.kv_connector.nixl.worker import NixlConnectorWorker
-from pdserve.kv_connector.params import KVTransferParams, RemoteLease
+from pdserve.kv_transfer_params import KVTransferParams, RemoteLease
 from pdserve.request import FinishReason, Request, RequestStatus
 from tests.unit.scheduler.conftest import make_request
 

@@ -14,7 +14,7 @@ import pytest
 from pdserve.engine.messages import EngineCoreOutputs
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.executor import wire
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.outputs import (
     EngineCoreOutput,
     KVConnectorOutput,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.request import Request, RequestStatus
 from tests.unit.scheduler.conftest import make_request
 

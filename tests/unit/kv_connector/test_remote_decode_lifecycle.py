@@ -8,7 +8,7 @@ import pytest
 
 from pdserve import envs
 from pdserve.kv_connector.nixl import scheduler as nixl_scheduler
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from pdserve.request import FinishReason, RequestStatus
 from pdserve.scheduler.scheduler import Scheduler

@@ -12,7 +12,7 @@ import msgspec
 from pdserve.config import EngineConfig
 from pdserve.kv_connector.nixl.metadata import NixlConnectorMetadata
 from pdserve.kv_connector.nixl.scheduler import NixlConnectorScheduler
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.outputs import KVConnectorOutput, ModelRunnerOutput
 from pdserve.request import Request
 from pdserve.scheduler.output import SchedulerOutput

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from pdserve.kv_connector.params import KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.output import SchedulerOutput
 from tests.unit.kv_connector.halves import BLOCK_SIZE, Instance, poll

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 
 from pdserve import envs
-from pdserve.engine_args import flag
-from pdserve.kv_events_config import KVEventsConfig
-from pdserve.kv_transfer_config import KVTransferConfig
-from pdserve.model_config import ModelConfig
-from pdserve.unsupported import UNSUPPORTED_FEATURES
+from pdserve.config.args import flag
+from pdserve.config.kv_events import KVEventsConfig
+from pdserve.config.kv_transfer import KVTransferConfig
+from pdserve.config.model import ModelConfig
+from pdserve.config.plugins import EXECUTORS
+from pdserve.config.unsupported import UNSUPPORTED_FEATURES
 from pdserve.validation import check_choice, check_positive
 
 logger = logging.getLogger(__name__)
@@ -26,12 +27,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES = frozenset(
     {"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"}
 )
-
-
-def _executor_names() -> tuple[str, ...]:
-    from pdserve.executor.base import EXECUTORS  # it imports this module
-
-    return EXECUTORS.supported_names()
 
 
 @dataclass
@@ -98,7 +93,9 @@ class ParallelConfig:
     tensor_parallel_size: int = flag(1, "tensor-parallel ranks", short="-tp")
     pipeline_parallel_size: int = flag(1, "pipeline stages", short="-pp")
     distributed_executor_backend: str | None = flag(
-        None, "how ranks run (default: uni for one rank, else mp)", choices=_executor_names
+        None,
+        "how ranks run (default: uni for one rank, else mp)",
+        choices=EXECUTORS.supported_names,
     )
     # An extension point, and how benchmarks swap in a model-free worker.
     worker_cls: str = flag(
@@ -111,8 +108,6 @@ class ParallelConfig:
             raise ValueError(f"worker_cls must be 'module:Class', got {self.worker_cls!r}.")
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         if self.distributed_executor_backend is not None:
-            from pdserve.executor.base import EXECUTORS  # it imports this module
-
             EXECUTORS.check(self.distributed_executor_backend)
         else:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"

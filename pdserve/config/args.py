@@ -17,7 +17,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdserve.unsupported import UNSUPPORTED_FEATURES
+from pdserve.config.unsupported import UNSUPPORTED_FEATURES
 
 
 def flag(
@@ -37,7 +37,7 @@ def flag(
 
 def _config_classes() -> list[type]:
     from pdserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-    from pdserve.model_config import ModelConfig
+    from pdserve.config.model import ModelConfig
 
     return [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig]
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pdserve.engine_args import flag
+from pdserve.config.args import flag
 from pdserve.validation import check_choice, check_positive
 
 if TYPE_CHECKING:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pdserve.config.plugins import CONNECTORS, TRANSPORTS
 from pdserve.validation import check_choice, config_from_dict
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -39,9 +40,6 @@ class KVTransferConfig:
     kv_buffer_device: str | None = None
 
     def __post_init__(self) -> None:
-        from pdserve.kv_connector.factory import CONNECTORS
-        from pdserve.kv_connector.transport import TRANSPORTS
-
         CONNECTORS.check(self.kv_connector)
         check_choice("kv_transfer_config.kv_role", self.kv_role, KV_ROLES)
         if not isinstance(self.engine_id, str) or not self.engine_id:
