@@ -10,17 +10,21 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.utils.faults import FaultPlan, rule
 from tests.utils.pd import greedy_body, prefill, start_instance
 from tests.utils.procs import wait_until_gone
 from tests.utils.server import RemoteServer
 from tests.utils.tiny_models import hf_greedy
 
 MAX_TOKENS = 6
+# Longer than the test waits for the exit: an exit by the timeout fails it.
+DRAIN_60S = ["--drain-timeout", "60"]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +87,48 @@ def test_prefill_instance_keeps_held_kv_until_it_is_read(model: str) -> None:
         )
         assert p.proc.wait(30) == 0
         d.wait_pool_full()
+
+
+@pytest.mark.slow  # 20 s, on an instance of its own: SIGTERM ends it
+def test_decode_instance_drains_a_request_waiting_for_its_kv(model: str, tmp_path: Path) -> None:
+    """SIGTERM reaches a decode instance while a request's READ is in flight (held open by the
+    fault transport): the drain waits for the request, which ends with HF's tokens once the READ
+    does; the instance then exits 0, well before its drain timeout, and the prefill instance's
+    blocks come back by the read, not by their lease."""
+    plan = FaultPlan(tmp_path / "d")
+    with (
+        start_instance(model, "kv_producer") as p,
+        start_instance(model, "kv_consumer", env=plan.env, extra_args=DRAIN_60S) as d,
+    ):
+        prompt = list(range(60, 100))
+        body = greedy_body(model, prompt, MAX_TOKENS)
+        params = prefill(p, body)
+        plan.set(rule("hold", "read", "delay", contains=params["remote_request_id"]))
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(
+                httpx.post,
+                f"{d.url}/v1/completions",
+                json={**body, "kv_transfer_params": params},
+                timeout=60,
+            )
+            plan.wait_fired("hold")
+            d.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{d.url}/health", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, "not draining"
+                time.sleep(0.1)
+            time.sleep(1.0)
+            assert d.proc.poll() is None, "exited with a request waiting for its KV"
+            plan.release("hold")
+            resp = answer.result()
+        assert resp.status_code == 200, resp.text
+        assert (
+            resp.json()["choices"][0]["token_ids"]
+            == hf_greedy(Path(model), [prompt], MAX_TOKENS)[0]
+        )
+        assert d.proc.wait(30) == 0
+        p.wait_pool_full()
+        assert p.metric("kv_expired_leases_total") == 0
 
 
 @pytest.mark.slow  # over a minute on 2 cores: the default stage stays under 15
