@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -328,6 +329,49 @@ def test_launch_hands_its_instances_one_core_board(deployment: RemoteServer) -> 
     assert sorted(slot for _, _, slot in boards) == ["0", "1"]
     (path,) = {path for path, _, _ in boards}
     assert path.startswith("/dev/shm/pdserve-cores-") and not os.path.exists(path)
+
+
+def test_kv_events_reach_a_proxy_s_routing(deployment: RemoteServer) -> None:
+    """The KV-event chain end to end, over the deployment's instances: they publish, a second
+    proxy finds their publishers through /server_info and follows them, and its decision reads
+    what they hold. A prompt's blocks land on the decode instance by the split; the follow-up,
+    three tokens longer, is short of --pd-min-uncached-tokens only if the proxy saw them there
+    (without the events it counts all 43 tokens uncached and sends them to the prefill leg)."""
+    health = httpx.get(f"{deployment.url}/health").json()
+    args = ["proxy", "--pd-min-uncached-tokens", "24"]
+    for role in ("prefill", "decode"):
+        args += [f"--{role}", *(i["url"].removeprefix("http://") for i in health[role])]
+    model = deployment.client().models.list().data[0].id
+    body = {"model": model, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    prompt = [(i * 7) % 300 + 11 for i in range(40)]
+    with RemoteServer(args) as proxy:
+        _until(
+            lambda: all(i["kv_events"] for r in ("prefill", "decode") for i in _health(proxy)[r])
+        )
+        first = httpx.post(f"{proxy.url}/v1/completions", json={**body, "prompt": prompt})
+        assert first.headers["X-PD-Path"] == "remote", first.text
+        # The decode instance's stored blocks reach the proxy within a step or two.
+        follow_up = {**body, "prompt": prompt + [7, 8, 9]}
+        path = lambda: httpx.post(f"{proxy.url}/v1/completions", json=follow_up)  # noqa: E731
+        _until(lambda: path().headers["X-PD-Path"] == "local; reason=policy")
+        resp = path()
+        assert (
+            resp.json()["choices"][0]["token_ids"]
+            == hf_greedy(Path(model), [prompt + [7, 8, 9]], 3)[0]
+        )
+        assert proxy.stop() == []
+    wait_all_pools_full(deployment)
+
+
+def _health(server: RemoteServer) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=10).json()
+
+
+def _until(done: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"not reached in {timeout} s"
+        time.sleep(0.1)
 
 
 def _launch_pids(server: RemoteServer) -> list[int]:
