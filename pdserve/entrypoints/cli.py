@@ -68,7 +68,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
-    from pdserve.entrypoints.proxy import run_proxy
+    from pdserve.proxy.app import run_proxy
 
     return run_proxy(args)
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.entrypoints.bench_serve import add_bench_serve_args
     from pdserve.entrypoints.launch import add_launch_args
     from pdserve.entrypoints.openai.api_server import add_serve_args
-    from pdserve.entrypoints.proxy import add_proxy_args
+    from pdserve.proxy.app import add_proxy_args
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     serve.add_argument(

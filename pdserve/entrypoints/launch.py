@@ -29,7 +29,7 @@ import httpx
 
 from pdserve import envs
 from pdserve.core_board import create_board
-from pdserve.entrypoints.proxy_routing import add_routing_args, routing_flags
+from pdserve.proxy.routing import add_routing_args, routing_flags
 from pdserve.utils import get_open_port
 
 if TYPE_CHECKING:

@@ -346,7 +346,7 @@ def test_failed_read_recomputes_to_hf_tokens(
         resp = split_request(p, d, faults.body(LONG))
         plan.wait_fired("fail")
         assert _tokens(resp) == reference(LONG, 8)
-        # Told, not silent: the proxy passes this on and counts it (test_proxy_health.py).
+        # Told, not silent: the proxy passes this on and counts it (tests/unit/proxy/test_health.py).
         assert resp.headers["X-PD-Path"] == "local; reason=kv-load-failed"
         assert d.metric("kv_failed_transfers_total") == 1
         assert d.metric("kv_transfers_total") == 0

@@ -24,7 +24,7 @@ from tests.utils.tiny_models import hf_greedy
 
 # Four instances that publish KV events (about 50 s to start on 2 cores) and a proxy: the
 # default stage stays under 15 minutes; the router's decisions run there in
-# tests/unit/entrypoints/test_proxy_routing.py.
+# tests/unit/proxy/test_routing.py.
 pytestmark = pytest.mark.slow
 
 BLOCK = 16

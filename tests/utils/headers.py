@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from pdserve.entrypoints.proxy_headers import MAX_CHARS
+from pdserve.proxy.headers import MAX_CHARS
 
 # (what it is, the headers, the status the proxy answers, the header its 400 names: none where
 # the proxy's HTTP server refuses the request itself, as uvicorn does a control character).

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.proxy_instances import Instance, failed
-from pdserve.entrypoints.proxy_prefill_leg import PrefillLeg, is_one_token, one_token_hop
-from pdserve.entrypoints.proxy_routing import Router
 from pdserve.kv_transfer_params import KVTransferParams
+from pdserve.proxy.instances import Instance, failed
+from pdserve.proxy.prefill_leg import PrefillLeg, is_one_token, one_token_hop
+from pdserve.proxy.routing import Router
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A request's prompt as token ids, computed in the proxy the way its instances will: the
-cache-aware router hashes them (proxy_routing.py)."""
+cache-aware router hashes them (proxy/routing.py)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 from pdserve.distributed.kv_event_subscriber import CachedBlocks, KVEventSubscriber
 from pdserve.distributed.kv_events import external_block_hash
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.proxy_instances import Instance, InstancePool
-from pdserve.entrypoints.proxy_prompts import PromptTokens
+from pdserve.proxy.instances import Instance, InstancePool
+from pdserve.proxy.prompts import PromptTokens
 from pdserve.scheduler.kv_cache_utils import extend_block_hashes
 from pdserve.validation import check_choice
 

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.proxy_instances import Instance, forwarded_error, upstream_error
-from pdserve.entrypoints.proxy_routing import Router
-from pdserve.entrypoints.proxy_sse import error_event
+from pdserve.proxy.instances import Instance, forwarded_error, upstream_error
+from pdserve.proxy.routing import Router
+from pdserve.proxy.sse import error_event
 
 
 class DecodeLeg:

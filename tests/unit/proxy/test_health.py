@@ -14,7 +14,8 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from pdserve.entrypoints import proxy, proxy_instances
+from pdserve.proxy import app as proxy
+from pdserve.proxy import instances as proxy_instances
 
 
 def _free_port() -> int:
@@ -52,7 +53,7 @@ async def _proxy_client(
         yield client
 
 
-def _instance(address: str) -> proxy.Instance:
+def _instance(address: str) -> proxy_instances.Instance:
     return proxy_instances.Instance(
         "decode", f"http://{address}", httpx.AsyncClient(base_url=f"http://{address}")
     )

@@ -8,7 +8,7 @@ import pytest
 from starlette.datastructures import Headers
 
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.proxy_headers import MAX_CHARS, forwarded_headers
+from pdserve.proxy.headers import MAX_CHARS, forwarded_headers
 from tests.utils.headers import HOSTILE
 
 

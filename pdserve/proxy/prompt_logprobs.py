@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.entrypoints.proxy_sse import edit_first_events
+from pdserve.proxy.sse import edit_first_events
 
 
 @dataclass

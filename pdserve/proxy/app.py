@@ -4,13 +4,13 @@ Each request goes twice (vLLM's toy_proxy_server, reference §6.1): a copy to a 
 with `max_tokens=1`, no streaming and `kv_transfer_params={"do_remote_decode": true}`; then the
 original, carrying the prefill answer's `kv_transfer_params`, to a decode instance, whose answer
 (streamed or not) goes back to the client. One X-Request-Id names both hops; it and
-Authorization are the only client headers the hops carry (proxy_headers.py). Instances are
+Authorization are the only client headers the hops carry (proxy/headers.py). Instances are
 chosen among those whose /health answered 200 at the last check, by cached prefix and load
-(proxy_routing.py).
+(proxy/routing.py).
 
 With `--kv-mode push` (instances running NixlPushConnector) both hops leave at once and the
 prefill instance writes the KV into the decode instance's blocks as it computes
-(proxy_push_leg.py, docs/push.md).
+(proxy/push_leg.py, docs/push.md).
 
 When the prefill leg cannot be used (no prefill instance is up, its hop failed, or it answered
 without `kv_transfer_params`), the decode instance prefills the request itself, never untold:
@@ -46,19 +46,19 @@ from pdserve.entrypoints.openai.errors import (
     validation_error,
 )
 from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.entrypoints.proxy_decode_leg import DecodeLeg, close_unread, open_decode
-from pdserve.entrypoints.proxy_headers import forwarded_headers
-from pdserve.entrypoints.proxy_instances import (
+from pdserve.proxy.decode_leg import DecodeLeg, close_unread, open_decode
+from pdserve.proxy.headers import forwarded_headers
+from pdserve.proxy.instances import (
     InstancePool,
     check_forever,
     upstream_error,
 )
-from pdserve.entrypoints.proxy_metrics import ProxyMetrics
-from pdserve.entrypoints.proxy_openapi import ProxySchema
-from pdserve.entrypoints.proxy_prefill_leg import PrefillLeg, prefill_leg
-from pdserve.entrypoints.proxy_prompts import PromptTokens
-from pdserve.entrypoints.proxy_push_leg import can_push, push_legs
-from pdserve.entrypoints.proxy_routing import (
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.openapi import ProxySchema
+from pdserve.proxy.prefill_leg import PrefillLeg, prefill_leg
+from pdserve.proxy.prompts import PromptTokens
+from pdserve.proxy.push_leg import can_push, push_legs
+from pdserve.proxy.routing import (
     Router,
     RoutingConfig,
     add_routing_args,
@@ -66,7 +66,7 @@ from pdserve.entrypoints.proxy_routing import (
     local_policy,
     routing_config,
 )
-from pdserve.entrypoints.proxy_sse import (
+from pdserve.proxy.sse import (
     as_stream,
     error_event,
     first_token_events,

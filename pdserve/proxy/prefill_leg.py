@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.proxy_instances import Instance, failed, forwarded_error
-from pdserve.entrypoints.proxy_prompt_logprobs import PromptLogprobs
-from pdserve.entrypoints.proxy_routing import Router
 from pdserve.kv_transfer_params import KVTransferParams
+from pdserve.proxy.instances import Instance, failed, forwarded_error
+from pdserve.proxy.prompt_logprobs import PromptLogprobs
+from pdserve.proxy.routing import Router
 
 
 @dataclass

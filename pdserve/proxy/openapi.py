@@ -1,7 +1,7 @@
 """The proxy's OpenAPI schema: its own routes and errors, with the request bodies its decode
 instances declare (the proxy forwards them; the instances check them, against the served
 model's limits), so that a schema-valid request is one the deployment takes; and the headers it
-forwards with them, as it checks them (proxy_headers.py)."""
+forwards with them, as it checks them (proxy/headers.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from pdserve.entrypoints.proxy_headers import (
+from pdserve.proxy.headers import (
     OPENAPI_PARAMETERS,
     OPENAPI_SECURITY,
     OPENAPI_SECURITY_SCHEMES,
 )
-from pdserve.entrypoints.proxy_instances import InstancePool
+from pdserve.proxy.instances import InstancePool
 
 _FORWARDED = ("/v1/completions", "/v1/chat/completions")
 

@@ -11,10 +11,10 @@ import pytest
 
 from pdserve.distributed.kv_event_subscriber import CachedBlocks
 from pdserve.distributed.kv_events import external_block_hash
-from pdserve.entrypoints import proxy_routing
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.proxy_instances import InstancePool
-from pdserve.entrypoints.proxy_routing import (
+from pdserve.proxy import routing as proxy_routing
+from pdserve.proxy.instances import InstancePool
+from pdserve.proxy.routing import (
     Router,
     RoutingConfig,
     local_policy,

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pdserve.entrypoints.proxy_prompt_logprobs import PromptLogprobs
+from pdserve.proxy.prompt_logprobs import PromptLogprobs
 
 PROMPT_TABLE = [None, {"9": {"logprob": -1.0, "rank": 2, "decoded_token": "b"}}]
 

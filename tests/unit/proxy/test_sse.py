@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.proxy_sse import error_event, first_token_events, without_first_token
+from pdserve.proxy.sse import error_event, first_token_events, without_first_token
 
 HEAD = {"id": "cmpl-r", "created": 1, "model": "m"}
 LOGPROBS = {"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [{"a": -0.5}]}
