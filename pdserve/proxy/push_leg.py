@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +69,9 @@ async def push_legs(
     body: dict[str, Any],
     endpoint: str,
     headers: dict[str, str],
-    background: set[asyncio.Task[None]],
+    keep: Callable[[asyncio.Task[None]], None],
 ) -> PrefillLeg:
-    """Send the prefill hop (in the background) and return the decode hop's params; a prefill
+    """Send the prefill hop (a task for `keep`) and return the decode hop's params; a prefill
     instance that cannot be asked makes the path local, as in pull mode."""
     try:
         instance = router.pick(hashes).instance
@@ -84,8 +85,7 @@ async def push_legs(
     transfer_id = f"{headers['X-Request-Id']}-{uuid.uuid4().hex[:8]}"
     hop = one_token_hop(body, KVTransferParams(do_remote_decode=True, transfer_id=transfer_id))
     task = asyncio.create_task(_prefill_hop(instance, hop, endpoint, headers))
-    background.add(task)
-    task.add_done_callback(background.discard)
+    keep(task)
     params = KVTransferParams(
         do_remote_prefill=True,
         remote_engine_id=channel.engine_id,
