@@ -65,11 +65,13 @@ class EngineCoreProc:
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
         poll_ms = _TRANSFER_POLL_MS
+        idle_poll_s = self.engine.kv_connector.idle_poll_s()
+        idle_ms = None if idle_poll_s is None else int(idle_poll_s * 1000)
         while True:
             # Block when idle; a busy engine picks up new inputs between two steps; one that
             # only waits for KV transfers polls its workers every few milliseconds, not in a spin.
             if not self.engine.has_work():
-                timeout = None
+                timeout = idle_ms
             elif self.engine.last_step_scheduled or self.engine.batch_queue:
                 timeout = 0
             else:

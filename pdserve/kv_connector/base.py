@@ -62,6 +62,10 @@ class KVConnectorScheduler(Protocol):
     def has_pending_transfers(self) -> bool:
         """Whether the workers must keep being polled although nothing is scheduled."""
 
+    def idle_poll_s(self) -> float | None:
+        """How often an idle engine must still poll the workers, for what peers send them that
+        this half does not know of; None: never."""
+
     def load_failure_recomputes(self) -> bool:
         """Whether a failed load is recomputed locally (kv_load_failure_policy=recompute)
         rather than failing its request."""

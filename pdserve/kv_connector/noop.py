@@ -49,6 +49,9 @@ class NoKVConnectorScheduler:
     def has_pending_transfers(self) -> bool:
         return False
 
+    def idle_poll_s(self) -> float | None:
+        return None
+
     def load_failure_recomputes(self) -> bool:
         return False
 

@@ -60,8 +60,10 @@ async def open_decode(
         instance.in_flight += 1
         try:
             answer = await instance.client.send(request, stream=True)
-        except httpx.HTTPError as e:
+        except BaseException as e:  # a leg cancelled (its push hop failed) is no load either
             instance.in_flight -= 1
+            if not isinstance(e, httpx.HTTPError):
+                raise
             error = upstream_error(instance, e)
         else:
             if answer.status_code == 200:

@@ -4,6 +4,7 @@ prefills: docs/proxy.md's local path)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ class PrefillLeg:
     prompt_logprobs: PromptLogprobs | None = None
     # The prefill instance's one-token answer, when the KV is handed over.
     hop_answer: dict[str, Any] | None = None
+    # Push mode's prefill hop, under way beside the decode leg: its failure, if it fails.
+    push_hop: asyncio.Task[OpenAIError | None] | None = None
 
     @property
     def path(self) -> str:

@@ -21,7 +21,7 @@ import httpx
 
 from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.kv_transfer_params import KVTransferParams
-from pdserve.proxy.instances import Instance, failed
+from pdserve.proxy.instances import Instance, forwarded_error, upstream_error
 from pdserve.proxy.prefill_leg import PrefillLeg, is_one_token, one_token_hop
 from pdserve.proxy.routing import Router
 
@@ -69,10 +69,11 @@ async def push_legs(
     body: dict[str, Any],
     endpoint: str,
     headers: dict[str, str],
-    keep: Callable[[asyncio.Task[None]], None],
+    keep: Callable[[asyncio.Task[Any]], None],
 ) -> PrefillLeg:
-    """Send the prefill hop (a task for `keep`) and return the decode hop's params; a prefill
-    instance that cannot be asked makes the path local, as in pull mode."""
+    """Send the prefill hop (a task for `keep`, which the decode leg watches) and return the
+    decode hop's params; a prefill instance that cannot be asked makes the path local, as in
+    pull mode."""
     try:
         instance = router.pick(hashes).instance
     except OpenAIError as e:
@@ -94,27 +95,30 @@ async def push_legs(
         remote_port=channel.port,
         tp_size=channel.tp_size,
     )
-    return PrefillLeg(instance, params)
+    return PrefillLeg(instance, params, push_hop=task)
 
 
 async def _prefill_hop(
     instance: Instance, hop: dict[str, Any], endpoint: str, headers: dict[str, str]
-) -> None:
-    """The prefill hop's answer only matters when it failed: the decode instance's push then
-    fails too (its watchdog, or the prefill side's answer), and says why to its client."""
+) -> OpenAIError | None:
+    """The prefill hop's failure, if it failed: the decode hop then waits for a push that will
+    never come, and the decode leg ends it (`Split`)."""
     instance.in_flight += 1
     try:
         resp = await instance.client.post(f"/v1/{endpoint}", json=hop, headers=headers)
     except httpx.HTTPError as e:
         instance.side_channel = None
-        logger.warning("Push-mode prefill hop failed: %s", failed(instance, e))
-        return
+        error = upstream_error(instance, e)
+        logger.warning("Push-mode prefill hop failed: %s", error.message)
+        return error
     finally:
         instance.in_flight -= 1
-    if resp.status_code != 200:
-        logger.warning(
-            "Push-mode prefill hop to %s answered %d: %s",
-            instance.url,
-            resp.status_code,
-            resp.text[:200],
-        )
+    if resp.status_code == 200:
+        return None
+    logger.warning(
+        "Push-mode prefill hop to %s answered %d: %s",
+        instance.url,
+        resp.status_code,
+        resp.text[:200],
+    )
+    return forwarded_error(instance, resp)

@@ -206,18 +206,8 @@ class Split:
         """The decode leg's answer: whole, or its first chunk before the headers, so that they
         can say how long it took (the client's first token follows them at once)."""
         decode_start = time.perf_counter()
-        decode = await self._open_decode()
+        decode, chunks, first = await self._decode_first_watching_push(leg, out_headers)
         out_headers["X-PD-Decode-Instance"] = decode.instance.url
-        chunks = decode.answer.aiter_raw()
-        if self.req.stream and leg.prompt_logprobs is not None:
-            chunks = leg.prompt_logprobs.fill_stream(chunks)
-        try:
-            first = await anext(chunks, b"") if self.req.stream else await decode.answer.aread()
-        except BaseException as e:  # the client gone too: closing aborts the decode request
-            await decode.close()
-            if isinstance(e, httpx.HTTPError):
-                raise upstream_error(decode.instance, e) from None
-            raise
         first_byte = time.perf_counter()
         decode_s = first_byte - decode_start
         parts = {
@@ -231,6 +221,50 @@ class Split:
             return self._whole_answer(leg, decode, first, out_headers)
         relay = self._relay(decode, first, chunks)
         return StreamingResponse(relay, media_type="text/event-stream", headers=out_headers)
+
+    async def _decode_first_watching_push(
+        self, leg: PrefillLeg, out_headers: dict[str, str]
+    ) -> tuple[DecodeLeg, AsyncIterator[bytes], bytes]:
+        """The decode leg's first bytes. In push mode the prefill hop runs beside it, and if it
+        fails first the decode request waits for a push that will never come: it is closed (an
+        abort there) instead of waiting out its watchdog. The prefill instance's refusal is the
+        client's answer, as in pull mode; its failure makes the path local."""
+        if leg.push_hop is None:
+            return await self._decode_first(leg)
+        decoding = asyncio.create_task(self._decode_first(leg))
+        await asyncio.wait({decoding, leg.push_hop}, return_when=asyncio.FIRST_COMPLETED)
+        failure = leg.push_hop.result() if leg.push_hop.done() else None
+        if decoding.done() or failure is None:
+            return await decoding
+        decoding.cancel()
+        await asyncio.gather(decoding, return_exceptions=True)
+        if failure.status < 500:
+            raise failure
+        local = PrefillLeg(leg.instance, reason="prefill-failed", detail=failure.message)
+        self.body = {k: v for k, v in self.body.items() if k != "kv_transfer_params"}
+        self._take(local)
+        self.served = (local.path, "prefill-failed")
+        out_headers["X-PD-Path"] = local.header
+        out_headers["X-PD-KV-Blocks"] = "0"
+        # The closed hop may still be aborting there under the client's id.
+        self.headers = {**self.headers, "X-Request-Id": f"{self.request_id}-local"}
+        return await self._decode_first(local)
+
+    async def _decode_first(self, leg: PrefillLeg) -> tuple[DecodeLeg, AsyncIterator[bytes], bytes]:
+        """The open decode leg, its chunks and the first of them (the whole answer when not
+        streamed); a failure or a cancellation before then closes it, aborting the request."""
+        decode = await self._open_decode()
+        chunks = decode.answer.aiter_raw()
+        if self.req.stream and leg.prompt_logprobs is not None:
+            chunks = leg.prompt_logprobs.fill_stream(chunks)
+        try:
+            first = await anext(chunks, b"") if self.req.stream else await decode.answer.aread()
+        except BaseException as e:  # the client gone too: closing aborts the decode request
+            await decode.close()
+            if isinstance(e, httpx.HTTPError):
+                raise upstream_error(decode.instance, e) from None
+            raise
+        return decode, chunks, first
 
     def _whole_answer(
         self, leg: PrefillLeg, decode: DecodeLeg, answer: bytes, out_headers: dict[str, str]

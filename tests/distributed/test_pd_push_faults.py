@@ -22,7 +22,7 @@ import pytest
 
 from tests.utils.faults import FaultPlan, rule, without_faults
 from tests.utils.headers import check_hostile_headers
-from tests.utils.pd import greedy_body, split_proxy, start_instance
+from tests.utils.pd import greedy_body, post_and_hang_up_later, split_proxy, start_instance
 from tests.utils.server import RemoteServer, sigkill
 
 # 70 s here: the default stage runs the same paths on the connector's real halves over both
@@ -55,7 +55,13 @@ class Pair:
         self.p_plan, self.d_plan = FaultPlan(folder / "p"), FaultPlan(folder / "d")
         self.p = push_prefill(
             model,
-            extra_args=["--num-gpu-blocks-override", str(P_BLOCKS)],
+            # No logprobs on the prefill instance (the decode instance allows 20): a request
+            # asking for them is one the prefill hop refuses and the decode hop accepts. One
+            # request in flight: a second is a prefill hop that fails (503).
+            extra_args=[
+                *("--num-gpu-blocks-override", str(P_BLOCKS), "--max-logprobs", "0"),
+                *("--max-pending-requests", "1"),
+            ],
             env=self.p_plan.env,
             kv_lease_duration=LEASE,
             transfer_timeout=3,
@@ -157,6 +163,49 @@ def test_hostile_headers_through_the_push_proxy(faults: Pair) -> None:
             f"{proxy.url}/v1/completions", json=faults.body(fresh(40), 4), timeout=60
         )
         assert served.headers["X-PD-KV-Mode"] == "push" and served.headers["X-PD-Path"] == "remote"
+
+
+def test_a_prefill_hop_refused_ends_the_decode_hop_at_once(faults: Pair) -> None:
+    """The push proxy sends both hops at once and the prefill instance refuses its hop: the
+    client hears the prefill instance's 400, as in pull mode, and the decode hop, which waits
+    for a push that will never come, ends by the proxy at once, not by its watchdog after a
+    lease of silence (30 s by default) with a 502."""
+    watchdogs = faults.d.metric("kv_push_watchdogs_total")
+    aborts = faults.d.metric("request_success_total", finished_reason="abort")
+    with split_proxy(faults.p, faults.d, "--kv-mode", "push") as proxy:
+        body = {**faults.body(fresh(40), 4), "logprobs": 1}
+        resp = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert "logprobs" in resp.json()["error"]["message"]
+        assert proxy.stop() == []
+    faults.d.wait_pool_full()
+    assert faults.d.metric("request_success_total", finished_reason="abort") == aborts + 1
+    assert faults.d.metric("kv_push_watchdogs_total") == watchdogs
+
+
+def test_a_prefill_hop_failed_makes_the_path_local_at_once(
+    faults: Pair, reference: Callable[[list[int], int], list[int]]
+) -> None:
+    """The prefill instance answers its hop 503 (busy: a stream holds its one request in
+    flight): the proxy ends the decode hop, which waits for a push that will never come, at
+    once, and sends the request again for the decode instance to compute, as pull mode's local
+    path does, instead of a watchdog's 502 after a lease."""
+    watchdogs = faults.d.metric("kv_push_watchdogs_total")
+    busy = post_and_hang_up_later(faults.p, {**faults.body(fresh(8), 1000), "stream": True})
+    try:
+        assert busy.recv(12) == b"HTTP/1.1 200"
+        with split_proxy(faults.p, faults.d, "--kv-mode", "push") as proxy:
+            prompt = fresh(40)
+            resp = httpx.post(
+                f"{proxy.url}/v1/completions", json=faults.body(prompt, 4), timeout=60
+            )
+            assert tokens(resp) == reference(prompt, 4)
+            assert resp.headers["X-PD-Path"] == "local; reason=prefill-failed"
+            assert proxy.stop() == []
+    finally:
+        busy.close()
+    faults.d.wait_pool_full()
+    assert faults.d.metric("kv_push_watchdogs_total") == watchdogs
 
 
 def test_a_registration_that_never_comes_frees_by_the_lease(faults: Pair) -> None:

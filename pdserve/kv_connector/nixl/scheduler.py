@@ -161,6 +161,7 @@ class NixlConnectorScheduler:
         # stray id in finished_sending must not end the polling while others still wait.
         self._sending: set[str] = set()
         self.stats: dict[str, float] = {}
+        self._last_meta = time.monotonic()  # the workers' last step
         # Push mode. Prefill side: requests whose blocks fill for a push (request, its block
         # list, which the KV cache manager extends in place), and transfer ids of requests
         # aborted since the last step. Decode side: requests aborted while their push is
@@ -318,6 +319,7 @@ class NixlConnectorScheduler:
         return self._encoder.encode(self.build_meta(scheduler_output))
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
+        self._last_meta = time.monotonic()
         meta = NixlConnectorMetadata(self._reqs_need_recv, self._reqs_need_send)
         meta.declines, self._declines = self._declines, {}
         if self.staging is not None:
@@ -466,7 +468,15 @@ class NixlConnectorScheduler:
         return stats
 
     def has_pending_transfers(self) -> bool:
-        return bool(self._sending or self._reading)
+        idle_poll = self.idle_poll_s()
+        due = idle_poll is not None and time.monotonic() - self._last_meta >= idle_poll
+        return bool(self._sending or self._reading) or due
+
+    def idle_poll_s(self) -> float | None:
+        # A push-mode prefill rank hears registrations, and their cancels, for requests this
+        # half never held (a prefill hop refused, one already freed): only a step answers
+        # them, where the decode side's watchdog would wait a lease.
+        return self.lease_duration / 6 if self.push else None
 
     def load_failure_recomputes(self) -> bool:
         return self.recompute_failed_loads
