@@ -24,7 +24,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.distributed.kv_event_subscriber import CachedBlocks  # noqa: E402
-from pdserve.entrypoints.openai.protocol import ChatCompletionRequest
+from pdserve.protocol.chat import ChatCompletionRequest
 from pdserve.proxy.instances import InstancePool  # noqa: E402
 from pdserve.proxy.prompts import PromptTokens  # noqa: E402
 from pdserve.proxy.routing import Router, RoutingConfig  # noqa: E402

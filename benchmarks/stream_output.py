@@ -26,10 +26,10 @@ import pdserve.engine.async_llm as async_llm_module  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.async_llm import AsyncLLM  # noqa: E402
 from pdserve.engine.messages import EngineCoreOutputs, EngineCoreRequest  # noqa: E402
-from pdserve.entrypoints.openai.protocol import CompletionRequest  # noqa: E402
 from pdserve.entrypoints.openai.serving import OpenAIServing  # noqa: E402
 from pdserve.entrypoints.openai.serving_completion import OpenAIServingCompletion  # noqa: E402
 from pdserve.outputs import EngineCoreOutput, LogprobsLists  # noqa: E402
+from pdserve.protocol.completion import CompletionRequest  # noqa: E402
 from pdserve.request import FinishReason  # noqa: E402
 
 

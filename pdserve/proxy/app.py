@@ -36,13 +36,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.entrypoints.openai.errors import (
+from pdserve.protocol.chat import ChatCompletionRequest
+from pdserve.protocol.completion import CompletionRequest
+from pdserve.protocol.errors import (
     GENERATION_200,
     OpenAIError,
     error_responses,
     validation_error,
 )
-from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.proxy.headers import forwarded_headers
 from pdserve.proxy.instances import upstream_error
 from pdserve.proxy.openapi import ProxySchema

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.protocol.errors import OpenAIError
 from pdserve.proxy.instances import Instance, forwarded_error, upstream_error
 from pdserve.proxy.routing import Router
 from pdserve.proxy.sse import error_event

@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.datastructures import Headers
 
-from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.protocol.errors import OpenAIError
 
 FORWARDED = ("Authorization", "X-Request-Id")
 # Far above a UUID or a bearer token (JWTs run to a few KB), and well below what an instance's

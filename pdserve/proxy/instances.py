@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.protocol.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.kv_transfer_params import KVTransferParams
+from pdserve.protocol.errors import OpenAIError
 from pdserve.proxy.instances import Instance, failed, forwarded_error
 from pdserve.proxy.prompt_logprobs import PromptLogprobs
 from pdserve.proxy.routing import Router

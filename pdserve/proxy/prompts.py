@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 
 from pdserve.engine.input_processor import render_chat
-from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.models import loader
+from pdserve.protocol.chat import ChatCompletionRequest
+from pdserve.protocol.completion import CompletionRequest
 
 logger = logging.getLogger(__name__)
 

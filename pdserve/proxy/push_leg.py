@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from pdserve.entrypoints.openai.errors import OpenAIError
 from pdserve.kv_transfer_params import KVTransferParams
+from pdserve.protocol.errors import OpenAIError
 from pdserve.proxy.instances import Instance, forwarded_error, upstream_error
 from pdserve.proxy.prefill_leg import PrefillLeg, is_one_token, one_token_hop
 from pdserve.proxy.routing import Router

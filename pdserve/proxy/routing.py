@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from pdserve.distributed.kv_event_subscriber import CachedBlocks, KVEventSubscriber
 from pdserve.distributed.kv_events import external_block_hash
-from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.protocol.errors import OpenAIError
 from pdserve.proxy.instances import Instance, InstancePool
 from pdserve.proxy.prompts import PromptTokens
 from pdserve.scheduler.kv_cache_utils import extend_block_hashes

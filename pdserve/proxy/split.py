@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.protocol.chat import ChatCompletionRequest
+from pdserve.protocol.completion import CompletionRequest
+from pdserve.protocol.errors import OpenAIError
 from pdserve.proxy.decode_leg import DecodeLeg, close_unread, open_decode
 from pdserve.proxy.instances import upstream_error
 from pdserve.proxy.prefill_leg import PrefillLeg, prefill_leg

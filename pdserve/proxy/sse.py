@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.protocol.errors import OpenAIError
 
 
 def as_stream(answer: dict[str, Any], endpoint: str, include_usage: bool) -> list[str]:

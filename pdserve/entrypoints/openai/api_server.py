@@ -28,26 +28,23 @@ from pdserve import envs
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.entrypoints.openai.drain import Drain
-from pdserve.entrypoints.openai.errors import (
+from pdserve.entrypoints.openai.serving import OpenAIServing, Prompt, RequestFailedError
+from pdserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pdserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pdserve.entrypoints.openai.tokenization import detokenize, tokenize
+from pdserve.kv_transfer_params import KVTransferParams
+from pdserve.protocol.chat import ChatCompletionRequest
+from pdserve.protocol.common import declare_model_limits
+from pdserve.protocol.completion import CompletionRequest
+from pdserve.protocol.errors import (
     GENERATION_200,
     OpenAIError,
     error_responses,
     validation_error,
     without_validation_422,
 )
-from pdserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    declare_model_limits,
-)
-from pdserve.entrypoints.openai.serving import OpenAIServing, Prompt, RequestFailedError
-from pdserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from pdserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pdserve.entrypoints.openai.tokenization import detokenize, tokenize
-from pdserve.entrypoints.openai.tool_calls import TOOL_PARSERS
-from pdserve.kv_transfer_params import KVTransferParams
+from pdserve.protocol.tokenize import DetokenizeRequest, TokenizeRequest
+from pdserve.protocol.tool_calls import TOOL_PARSERS
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

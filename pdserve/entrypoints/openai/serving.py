@@ -14,13 +14,11 @@ import msgspec
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.engine.input_processor import check_params_for_model
-from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
 from pdserve.kv_transfer_params import KV_LOAD_FAILED, KVTransferParams
 from pdserve.outputs import Logprob, RequestOutput, RequestOutputKind
+from pdserve.protocol.chat import ChatCompletionRequest
+from pdserve.protocol.completion import CompletionRequest
+from pdserve.protocol.errors import OpenAIError
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

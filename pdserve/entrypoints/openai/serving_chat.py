@@ -7,9 +7,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.entrypoints.openai import tool_calls
-from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.openai.protocol import ChatCompletionRequest, StreamOptions
 from pdserve.entrypoints.openai.serving import (
     OpenAIServing,
     Prompt,
@@ -22,8 +19,12 @@ from pdserve.entrypoints.openai.serving import (
     usage,
     usage_of,
 )
-from pdserve.entrypoints.openai.tool_calls import TOOL_PARSERS
 from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.protocol import tool_calls
+from pdserve.protocol.chat import ChatCompletionRequest
+from pdserve.protocol.common import StreamOptions
+from pdserve.protocol.errors import OpenAIError
+from pdserve.protocol.tool_calls import TOOL_PARSERS
 from pdserve.sampling_params import SamplingParams
 
 

@@ -7,7 +7,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.entrypoints.openai.protocol import CompletionRequest, StreamOptions
 from pdserve.entrypoints.openai.serving import (
     OpenAIServing,
     Prompt,
@@ -22,6 +21,8 @@ from pdserve.entrypoints.openai.serving import (
     usage,
 )
 from pdserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pdserve.protocol.common import StreamOptions
+from pdserve.protocol.completion import CompletionRequest
 from pdserve.sampling_params import SamplingParams
 
 

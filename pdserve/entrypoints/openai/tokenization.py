@@ -6,12 +6,8 @@ from typing import Any
 
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.input_processor import render_chat
-from pdserve.entrypoints.openai.errors import OpenAIError
-from pdserve.entrypoints.openai.protocol import (
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeRequest,
-)
+from pdserve.protocol.errors import OpenAIError
+from pdserve.protocol.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 
 
 def tokenize(engine: AsyncLLM, req: TokenizeRequest) -> dict[str, Any]:

@@ -8,12 +8,10 @@ import logging
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from pdserve.entrypoints.openai.errors import validation_error
-from pdserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    TokenizeRequest,
-)
+from pdserve.protocol.chat import ChatCompletionRequest
+from pdserve.protocol.completion import CompletionRequest
+from pdserve.protocol.errors import validation_error
+from pdserve.protocol.tokenize import TokenizeRequest
 
 IGNORED = "The following fields were present in the request but ignored"
 
@@ -23,7 +21,7 @@ def ignored_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_one_warning_names_the_ignored_fields(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, "pdserve.entrypoints.openai.protocol"):
+    with caplog.at_level(logging.WARNING, "pdserve.protocol.common"):
         CompletionRequest.model_validate(
             {"prompt": "hi", "max_tokens": 2, "user": "u1", "tenant_isolation": True}
         )
@@ -33,7 +31,7 @@ def test_one_warning_names_the_ignored_fields(caplog: pytest.LogCaptureFixture) 
 
 
 def test_known_fields_and_aliases_are_not_named(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, "pdserve.entrypoints.openai.protocol"):
+    with caplog.at_level(logging.WARNING, "pdserve.protocol.common"):
         CompletionRequest.model_validate(
             {"prompt": "hi", "cache_salt": "s", "structured_outputs": {"json": {}}}
         )
@@ -42,7 +40,7 @@ def test_known_fields_and_aliases_are_not_named(caplog: pytest.LogCaptureFixture
 
 def test_a_nested_object_names_its_own(caplog: pytest.LogCaptureFixture) -> None:
     """As vLLM's: each object of the body checks its own keys (a message's, a tool's)."""
-    with caplog.at_level(logging.WARNING, "pdserve.entrypoints.openai.protocol"):
+    with caplog.at_level(logging.WARNING, "pdserve.protocol.common"):
         ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "hi", "reasoning": "x"}], "store": False}
         )

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.entrypoints.openai.tool_calls import (
+from pdserve.protocol.tool_calls import (
     TOOL_PARSERS,
     ToolCallStream,
     required_calls,

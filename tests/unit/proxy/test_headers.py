@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from starlette.datastructures import Headers
 
-from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.protocol.errors import OpenAIError
 from pdserve.proxy.headers import MAX_CHARS, forwarded_headers
 from tests.utils.headers import HOSTILE
 

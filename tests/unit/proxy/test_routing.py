@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.distributed.kv_event_subscriber import CachedBlocks
 from pdserve.distributed.kv_events import external_block_hash
-from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.protocol.errors import OpenAIError
 from pdserve.proxy import routing as proxy_routing
 from pdserve.proxy.instances import InstancePool
 from pdserve.proxy.routing import (

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pdserve.entrypoints.openai.errors import OpenAIError
+from pdserve.protocol.errors import OpenAIError
 from pdserve.proxy.sse import error_event, first_token_events, without_first_token
 
 HEAD = {"id": "cmpl-r", "created": 1, "model": "m"}
