@@ -16,7 +16,7 @@ import msgspec
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class RemoteLease(msgspec.Struct):
+class RemoteLease(msgspec.Struct, frozen=True):
     """The prefill side's lease on the request's blocks: its board slot and tag, which the
     reader checks after its READ, and its duration (docs/lease.md)."""
 
@@ -25,7 +25,7 @@ class RemoteLease(msgspec.Struct):
     seconds: float | None = None
 
 
-class FirstTokenLogprobs(msgspec.Struct):
+class FirstTokenLogprobs(msgspec.Struct, frozen=True):
     """The shipped token's logprobs row: column 0 is the token, then the hop's top ones."""
 
     token_ids: list[int]
@@ -33,7 +33,11 @@ class FirstTokenLogprobs(msgspec.Struct):
     rank: int
 
 
-class KVTransferParams(msgspec.Struct, omit_defaults=True):
+class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Immutable once made: a writer (the connector, the prefill front end) makes a changed
+    copy with `msgspec.structs.replace`, so that the params a request was given never change
+    under another holder of them."""
+
     # Asked of a prefill instance: hold the blocks for a reader and answer where they are.
     do_remote_decode: bool = False
     # Asked of a decode instance: read the prompt's KV from the instance named below.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -209,16 +210,13 @@ class OutputProcessor:
             stop_str = seq.detokenizer.update(out.new_token_ids)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             state.kv_load_recomputed |= out.kv_load_recomputed
-            if out.kv_transfer_params is not None:
-                state.kv_transfer_params = out.kv_transfer_params
-                if (
-                    out.new_logprobs is not None
-                    and out.kv_transfer_params.first_token_id is not None
-                ):
+            if (kv := out.kv_transfer_params) is not None:
+                if out.new_logprobs is not None and kv.first_token_id is not None:
                     # A prefill hop's row, for the decode side to stream with the token.
-                    out.kv_transfer_params.first_token_logprobs = first_token_logprobs(
-                        out.new_logprobs
+                    kv = msgspec.structs.replace(
+                        kv, first_token_logprobs=first_token_logprobs(out.new_logprobs)
                     )
+                state.kv_transfer_params = kv
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = str(FinishReason.STOP), stop_str
                 if out.finish_reason is None:

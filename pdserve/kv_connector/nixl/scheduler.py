@@ -64,6 +64,12 @@ def _recv_meta(params: KVTransferParams, local_block_ids: list[int]) -> RecvReqM
     )
 
 
+def _read(params: KVTransferParams) -> KVTransferParams:
+    """The params once their read is ordered (or declined): one transfer per request, also
+    after a preemption."""
+    return msgspec.structs.replace(params, do_remote_prefill=False)
+
+
 def _first_token(request: Request) -> int | None:
     """The token this instance sampled: the decode side continues from it."""
     if request.num_tokens > request.num_prompt_tokens:
@@ -297,7 +303,7 @@ class NixlConnectorScheduler:
                 # Computed here: the prefill instance hears that nothing is needed; this request
                 # waits for no answer.
                 self._declines[request.request_id] = _recv_meta(params, [])
-                params.do_remote_prefill = False
+                request.kv_transfer_params = _read(params)
                 return
             staging_ids = []
             if local and self._stages_read(params):
@@ -313,7 +319,7 @@ class NixlConnectorScheduler:
             if params.remote_cached_tokens:
                 request.num_remote_cached_tokens = params.remote_cached_tokens
         # One transfer per request, also after a preemption.
-        params.do_remote_prefill = False
+        request.kv_transfer_params = _read(params)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> bytes | None:
         return self._encoder.encode(self.build_meta(scheduler_output))
@@ -363,7 +369,6 @@ class NixlConnectorScheduler:
         if not params.missing_remote_fields(self.push):
             self._reqs_need_recv[request_id] = _recv_meta(params, [])
             self._reading.add(request_id)
-        params.do_remote_prefill = False
         return True
 
     def request_finished(
@@ -390,6 +395,7 @@ class NixlConnectorScheduler:
         if params.do_remote_prefill:
             # Finished (aborted) before it was ever scheduled: no read will come.
             self.release_remote(req_id, params)
+            request.kv_transfer_params = _read(params)
             return False, None
         if not params.do_remote_decode:
             return False, None
@@ -404,13 +410,17 @@ class NixlConnectorScheduler:
         else:
             self.board.clear(req_id)
         stamp = self.board.held.get(req_id)
-        params = self._reader_params(request, request.request_id)
-        params.remote_block_ids = list(remote_ids)
-        if stamp is not None:
-            params.remote_lease = RemoteLease(stamp.slot, stamp.tag, self.lease_duration)
+        lease = None if stamp is None else RemoteLease(stamp.slot, stamp.tag, self.lease_duration)
+        params = self._reader_params(request, request.request_id, list(remote_ids), lease)
         return staging_ids is None and len(block_ids) > 0, params
 
-    def _reader_params(self, request: Request, remote_request_id: str) -> KVTransferParams:
+    def _reader_params(
+        self,
+        request: Request,
+        remote_request_id: str,
+        remote_block_ids: list[int] | None = None,
+        remote_lease: RemoteLease | None = None,
+    ) -> KVTransferParams:
         """What a decode instance needs to load a finished request's KV from here."""
         return KVTransferParams(
             do_remote_prefill=True,
@@ -423,6 +433,8 @@ class NixlConnectorScheduler:
             remote_cached_tokens=max(request.num_cached_tokens, 0),
             remote_epoch=self.epoch,
             first_token_id=_first_token(request),
+            remote_block_ids=remote_block_ids,
+            remote_lease=remote_lease,
         )
 
     def _push_finished(

@@ -4,6 +4,7 @@ hits within what it loaded, each token once, and counts its prompt tokens by sou
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pdserve.request import Request
@@ -55,7 +56,9 @@ def remote_request(request_id: int, remote_cached_tokens: object) -> Request:
     )
     assert request.kv_transfer_params is not None
     if remote_cached_tokens is not None:
-        request.kv_transfer_params.remote_cached_tokens = remote_cached_tokens
+        request.kv_transfer_params = msgspec.structs.replace(
+            request.kv_transfer_params, remote_cached_tokens=remote_cached_tokens
+        )
     return request
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import pytest
 
 from pdserve.kv_connector.nixl.metadata import SaveReqMeta
@@ -189,7 +190,8 @@ def test_decode_aborted_while_reading_keeps_staging_until_the_read_ends(model: s
 def test_decode_heterogeneous_tp_reads_into_its_topology_staging(model: str) -> None:
     scheduler = _staged(model, "kv_consumer")
     request = create_request(1, NUM_TOKENS, do_remote_prefill=True)
-    request.kv_transfer_params.tp_size = 2
+    assert request.kv_transfer_params is not None
+    request.kv_transfer_params = msgspec.structs.replace(request.kv_transfer_params, tp_size=2)
     scheduler.add_request(request)
     out = step(scheduler, [])
     assert connector_meta(out).reqs_to_recv[request.request_id].staging_block_ids == []

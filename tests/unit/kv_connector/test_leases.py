@@ -85,7 +85,9 @@ def instances(model: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[
 
 def _remote(request: Request, seconds: float) -> Request:
     assert request.kv_transfer_params is not None
-    request.kv_transfer_params.remote_lease = RemoteLease(0, 5, seconds)
+    request.kv_transfer_params = msgspec.structs.replace(
+        request.kv_transfer_params, remote_lease=RemoteLease(0, 5, seconds)
+    )
     return request
 
 

@@ -3,6 +3,8 @@ blocks and from where (reference §4.6)."""
 
 from __future__ import annotations
 
+import msgspec
+
 from pdserve.request import RequestStatus
 
 from .utils import (
@@ -69,7 +71,9 @@ def test_incomplete_params_prefill_locally(model: str) -> None:
     scheduler = create_scheduler(model)
     request = create_request(1, int(2.5 * BLOCK_SIZE), do_remote_prefill=True)
     assert request.kv_transfer_params is not None
-    request.kv_transfer_params.remote_host = None
+    request.kv_transfer_params = msgspec.structs.replace(
+        request.kv_transfer_params, remote_host=None
+    )
     scheduler.add_request(request)
     out = step(scheduler, [request])
     assert request.status == RequestStatus.RUNNING and not connector_meta(out).reqs_to_recv
