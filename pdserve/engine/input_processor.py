@@ -135,10 +135,11 @@ class InputProcessor:
             )
         first = shipped_first_token(
             kv_transfer_params,
-            params,
-            [*self.eos_token_ids, *(params.stop_token_ids or [])],
-            len(token_ids),
-            self.max_model_len,
+            n=params.n,
+            max_tokens=params.max_tokens,
+            logprobs=params.logprobs,
+            stop_token_ids=[*self.eos_token_ids, *(params.stop_token_ids or [])],
+            room_after_it=len(token_ids) + 1 < self.max_model_len,
         )
         if first is not None and not 0 <= first < self.vocab_size:
             raise ValueError(

@@ -18,39 +18,43 @@ With n > 1 only the first sequence continues from the shipped token: it has the 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from pdserve.kv_transfer_params import FirstTokenLogprobs, KVTransferParams
 from pdserve.outputs import LogprobsLists
-from pdserve.sampling_params import SamplingParams
 
 
 def shipped_first_token(
     kv_transfer_params: KVTransferParams | None,
-    params: SamplingParams,
-    stop_token_ids: list[int],
-    num_prompt_tokens: int,
-    max_model_len: int,
+    *,
+    n: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    stop_token_ids: Collection[int] = (),
+    room_after_it: bool = True,
 ) -> int | None:
-    """The token a decode request continues from, or None to sample it here.
+    """The token a decode request continues from, or None to sample it there: the one rule,
+    which the decode side's front end and the proxy (is the token it streams first the one
+    the decode side continues from?) both ask.
 
     `stop_token_ids`: the EOS ids (ignored or not) and the request's stop_token_ids. Such a
     token either ends the request (the prefill instance then hands nothing over) or was one
     that min_tokens forbids here (a hop sent without min_tokens; pdserve's proxy keeps it as 1):
-    either way the decode side samples for itself. Any other token is what this instance would
+    either way the decode side samples for itself. The proxy passes none: a prefill answer that
+    a stop ended is the client's whole answer. Any other token is what the decode instance would
     have sampled too: greedy takes the same argmax, and seeded noise depends on (seed, position)
-    alone."""
+    alone. `room_after_it`: the context has room for a token after it."""
     kv = kv_transfer_params
     if kv is None or not kv.do_remote_prefill:
         return None
     token = kv.first_token_id
     if token is None or token in stop_token_ids:
         return None
-    if params.n != 1:  # a parent's params: each of its sequences decides with its own
+    if n != 1:  # a parent's params: each of its sequences decides with its own
         return None
-    if params.logprobs is not None and shipped_logprobs(kv, params.logprobs) is None:
+    if logprobs is not None and shipped_logprobs(kv, logprobs) is None:
         return None
-    if (params.max_tokens is not None and params.max_tokens <= 1) or (
-        num_prompt_tokens + 1 >= max_model_len
-    ):
+    if (max_tokens is not None and max_tokens <= 1) or not room_after_it:
         return None
     return token
 

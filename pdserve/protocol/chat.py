@@ -77,6 +77,18 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    def asked_max_tokens(self) -> int | None:
+        """max_completion_tokens, or its older name."""
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+    def asked_logprobs(self) -> int | None:
+        """The top logprobs per token, when logprobs are asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as chat templates read them: an earlier call's arguments as a dict
         (what templates that print them expect), as vLLM passes them."""

@@ -24,6 +24,12 @@ class CompletionRequest(SamplingRequest):
     logprobs: Annotated[int, Field(ge=0, json_schema_extra=LOGPROBS), INTEGRAL] | None = None
     echo: bool = False
 
+    def asked_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def asked_logprobs(self) -> int | None:
+        return self.logprobs
+
     def prompts(self) -> list[str | dict[str, Any]]:
         p = self.prompt
         if isinstance(p, str):

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.kv_connector.first_token import shipped_first_token
 from pdserve.protocol.chat import ChatCompletionRequest
 from pdserve.protocol.completion import CompletionRequest
 from pdserve.protocol.errors import OpenAIError
@@ -148,14 +149,18 @@ class Split:
 
     def _first_token_first(self, leg: PrefillLeg) -> bool:
         """Whether the prefill instance's token goes to the client before the decode leg: a
-        plain stream of one sequence. A tool call's first token is not yet text or a call: the
-        decode instance's stream alone knows which deltas it makes."""
+        plain stream of a token the decode side continues from (the rule it applies itself).
+        A tool call's first token is not yet text or a call: the decode instance's stream alone
+        knows which deltas it makes."""
         req = self.req
+        shipped = shipped_first_token(
+            leg.params, n=req.n, max_tokens=req.asked_max_tokens(), logprobs=req.asked_logprobs()
+        )
         return (
             req.stream
             and leg.hop_answer is not None
             and leg.prompt_logprobs is None
-            and req.n == 1
+            and shipped is not None
             and not (isinstance(req, CompletionRequest) and req.echo)
             and not (
                 isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice != "none"

@@ -50,17 +50,11 @@ class OpenAIServingChat:
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from None
         _, token_ids = self.serving.tokenize({"prompt_token_ids": token_ids})
-        max_tokens = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
-        top = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = self.serving.prompt_logprobs(req)
-        return [
-            (
-                {"prompt_token_ids": token_ids, "cache_salt": req.cache_salt},
-                self.serving.sampling_params(req, max_tokens, top, len(token_ids), prompt_logprobs),
-            )
-        ]
+        params = self.serving.sampling_params(
+            req, req.asked_max_tokens(), req.asked_logprobs(), len(token_ids), prompt_logprobs
+        )
+        return [({"prompt_token_ids": token_ids, "cache_salt": req.cache_salt}, params)]
 
     async def chat(
         self, req: ChatCompletionRequest, request_id: str

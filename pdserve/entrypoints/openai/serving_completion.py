@@ -37,7 +37,7 @@ class OpenAIServingCompletion:
         for prompt in req.prompts():
             text, token_ids = self.serving.tokenize(prompt)
             params = self.serving.sampling_params(
-                req, req.max_tokens, req.logprobs, len(token_ids), prompt_logprobs
+                req, req.asked_max_tokens(), req.asked_logprobs(), len(token_ids), prompt_logprobs
             )
             engine_prompt = {
                 "prompt": text,

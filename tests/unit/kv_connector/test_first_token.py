@@ -18,7 +18,14 @@ PARAMS = {"do_remote_prefill": True, "first_token_id": 7}
 def _shipped(kv: dict[str, Any] | None, max_model_len: int = 100, **params: Any) -> int | None:
     sp = SamplingParams(**{"max_tokens": 8, **params})
     typed = None if kv is None else KVTransferParams.from_json(kv)
-    return shipped_first_token(typed, sp, [EOS, *(sp.stop_token_ids or [])], 10, max_model_len)
+    return shipped_first_token(
+        typed,
+        n=sp.n,
+        max_tokens=sp.max_tokens,
+        logprobs=sp.logprobs,
+        stop_token_ids=[EOS, *(sp.stop_token_ids or [])],
+        room_after_it=10 + 1 < max_model_len,
+    )
 
 
 def test_a_decode_request_continues_from_the_shipped_token() -> None:

@@ -14,7 +14,6 @@ from pdserve.kv_connector.first_token import (
 )
 from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.outputs import LogprobsLists
-from pdserve.sampling_params import SamplingParams
 
 ROW = LogprobsLists([[7, 7, 3, 9]], [[-0.5, -0.5, -1.25, -2.0]], [1])
 
@@ -26,8 +25,7 @@ def _params(row: Any) -> KVTransferParams:
 
 
 def _shipped(kv: KVTransferParams, logprobs: int) -> int | None:
-    sp = SamplingParams(max_tokens=8, logprobs=logprobs)
-    return shipped_first_token(kv, sp, [2], 10, 100)
+    return shipped_first_token(kv, n=1, max_tokens=8, logprobs=logprobs, stop_token_ids=[2])
 
 
 def test_the_row_goes_there_and_back_cut_to_the_request_width() -> None:

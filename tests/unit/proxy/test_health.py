@@ -173,7 +173,8 @@ async def _answering_server(body: bytes, header: bytes = b"") -> AsyncIterator[s
 # kv_transfer_params a decode instance can read with.
 READABLE = (
     '{"do_remote_prefill": true, "remote_engine_id": "p", "remote_request_id": "r", '
-    '"remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 1}'
+    '"remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 1, '
+    '"first_token_id": 5}'
 )
 
 
