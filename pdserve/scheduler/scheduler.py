@@ -29,7 +29,6 @@ from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.output_builder import build_scheduler_output
 from pdserve.scheduler.remote_kv import RemoteKVRequests
 from pdserve.scheduler.request_queue import (
-    RequestQueue,
     SchedulingPolicy,
     create_request_queue,
     select_victim,
@@ -108,16 +107,6 @@ class Scheduler:
         # update_from_output need not look each one up. Steps end in the order they started;
         # more than a few in flight fall back to the lookups.
         self._steps_in_flight = StepsInFlight()
-
-    @property
-    def skipped_waiting(self) -> RequestQueue:
-        """Requests that cannot be scheduled yet (waiting for a KV transfer, or for the
-        connector to decide); looked at before `waiting` each step."""
-        return self.remote_kv.skipped_waiting
-
-    @property
-    def finished_recving_kv_req_ids(self) -> set[str]:
-        return self.remote_kv.finished_recving_kv_req_ids
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
