@@ -4,7 +4,7 @@ What the multiprocess and Ray executors share; they differ only in how a call's 
 and how a death is noticed, which they pass in. An executor sends a call to every worker and
 queues it here in the same order (under its own send lock); one thread resolves the queued
 calls' futures in that order. Another thread waits for a worker to die and hands the death to
-the executor, which fails itself (`Executor.worker_died`). See docs/executors.md.
+the executor, which fails itself (`Executor._worker_died`). See docs/executors.md.
 """
 
 from __future__ import annotations
