@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-import threading
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -17,6 +17,8 @@ from pdserve.scheduler.output import SchedulerOutput
 
 if TYPE_CHECKING:
     from pdserve.executor.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 
 def worker_class(config: EngineConfig) -> type[Worker]:
@@ -114,33 +116,20 @@ class Executor(ABC):
     def max_concurrent_batches(self) -> int:
         return self.config.max_concurrent_batches
 
-    @staticmethod
-    def _await(future: Future, method: str, timeout: float | None, non_block: bool) -> Any:
-        """The future itself when non_block, else its result (a timeout names the method)."""
-        if non_block:
-            return future
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            raise TimeoutError(f"RPC call to {method} timed out.") from None
-
-    def _start_background_threads(self) -> None:
-        """Executors with worker processes: one thread resolves replies in submission order,
-        one watches the workers (subclasses define _resolve_responses and _monitor_workers)."""
-        self._response_thread = threading.Thread(
-            target=self._resolve_responses, daemon=True, name="pdserve-executor-responses"
-        )
-        self._response_thread.start()
-        self._monitor_thread = threading.Thread(
-            target=self._monitor_workers, daemon=True, name="pdserve-worker-monitor"
-        )
-        self._monitor_thread.start()
-
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         if self.is_failed:
             callback()
         else:
             self._failure_callback = callback
+
+    def _worker_died(self, worker: str) -> None:
+        """A worker died outside shutdown: every later call fails, the other workers are
+        released, then the failure callback runs."""
+        logger.error("Worker %s died unexpectedly, shutting down executor.", worker)
+        self.is_failed = True
+        self.shutdown()
+        if self._failure_callback is not None:
+            self._failure_callback()
 
     @abstractmethod
     def shutdown(self) -> None:

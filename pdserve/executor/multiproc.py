@@ -4,17 +4,15 @@ Each call is broadcast to every worker through one MessageQueue; each worker ans
 A response thread resolves futures strictly in submission order; a blocking call sent while no
 other call is unresolved reads its replies itself (a hand-over between threads costs more than
 the step's messages). A monitor thread notices a dead worker, marks the executor failed, shuts
-it down and calls the failure callback once. See docs/executors.md.
+it down and calls the failure callback once (both threads: executor/worker_calls.py). See
+docs/executors.md.
 """
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
-import queue
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -26,10 +24,9 @@ from pdserve.config import EngineConfig
 from pdserve.executor.base import Executor, worker_class
 from pdserve.executor.message_queue import MessageQueue, MessageQueueHandle
 from pdserve.executor.rpc import check_method, decode_reply, decode_results, encode_call
+from pdserve.executor.worker_calls import WorkerCalls, wait_for_reply
 from pdserve.executor.worker_proc import worker_main
 from pdserve.utils import get_open_port, wait_for_ready
-
-logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 300.0
 _GRACEFUL_EXIT_S = 5.0
@@ -45,7 +42,6 @@ class WorkerHandle:
 
 @dataclass
 class _PendingCall:
-    future: Future
     method: str
     args: tuple[Any, ...]  # a result is decoded against its call's arguments
     ranks: list[int]
@@ -59,7 +55,9 @@ class MultiprocExecutor(Executor):
         self.worker_cls = worker_class(config)  # its annotations type the RPC messages
         self.shutting_down = False
         self.workers: list[WorkerHandle] = []
-        self._pending: queue.Queue[_PendingCall | None] = queue.Queue()
+        self._calls: WorkerCalls[_PendingCall] = WorkerCalls(
+            self._resolve_queued, self._wait_for_death, self._worker_died
+        )
         self._send_lock = threading.Lock()
         # Held by the thread that reads the response queues: the response thread, or a caller
         # reading its own replies. Calls sent and not resolved yet, under _send_lock:
@@ -71,7 +69,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self._start_background_threads()
+        self._calls.start()
 
     def _start_workers(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -123,7 +121,7 @@ class MultiprocExecutor(Executor):
         check_method(self.worker_cls, method)
         payload = encode_call(method, args, kwargs or {}, unique_reply_rank)
         ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
-        call = _PendingCall(Future(), method, args, ranks, unique_reply_rank is not None)
+        call = _PendingCall(method, args, ranks, unique_reply_rank is not None)
         with self._send_lock:  # a call's place in the queue is its place in every response order
             self.rpc_broadcast_mq.enqueue(payload)
             # Nothing unresolved: no thread reads the response queues, so this one may. A call
@@ -133,14 +131,14 @@ class MultiprocExecutor(Executor):
             if direct:
                 self._recv_lock.acquire()
             else:
-                self._pending.put(call)
+                future = self._calls.add(call)
         if direct:
             try:
                 return self._read_replies(call)
             finally:
                 self._recv_lock.release()
                 self._call_resolved()
-        return self._await(call.future, method, timeout, non_block)
+        return wait_for_reply(future, method, timeout, non_block)
 
     def _read_replies(self, call: _PendingCall) -> Any:
         # Every rank's reply is read before any error is raised: a reply left in a queue would
@@ -153,17 +151,12 @@ class MultiprocExecutor(Executor):
         with self._send_lock:
             self._num_unresolved -= 1
 
-    def _resolve_responses(self) -> None:
-        while (call := self._pending.get()) is not None:
-            try:
-                with self._recv_lock:
-                    result = self._read_replies(call)
-            except Exception as e:
-                self._call_resolved()
-                call.future.set_exception(e)
-            else:
-                self._call_resolved()  # before waking the caller, whose next call may read
-                call.future.set_result(result)
+    def _resolve_queued(self, call: _PendingCall) -> Any:
+        try:
+            with self._recv_lock:
+                return self._read_replies(call)
+        finally:
+            self._call_resolved()  # before waking the caller, whose next call may read
 
     def _dequeue(self, worker: WorkerHandle) -> bytes:
         while True:
@@ -176,21 +169,13 @@ class MultiprocExecutor(Executor):
 
     # ---- failure and shutdown --------------------------------------------------------------
 
-    def _monitor_workers(self) -> None:
+    def _wait_for_death(self) -> str | None:
         sentinels = {w.proc.sentinel: w for w in self.workers}
         died = wait(list(sentinels))
         if self.shutting_down:
-            return
+            return None
         dead = sentinels[died[0]]
-        logger.error(
-            "Worker rank %d (pid %s) died unexpectedly, shutting down executor.",
-            dead.rank,
-            dead.proc.pid,
-        )
-        self.is_failed = True
-        self.shutdown()
-        if self._failure_callback is not None:
-            self._failure_callback()
+        return f"rank {dead.rank} (pid {dead.proc.pid})"
 
     def shutdown(self) -> None:
         if self.shutting_down:
@@ -207,7 +192,7 @@ class MultiprocExecutor(Executor):
                 getattr(proc, sig_method)()
             for proc in alive:
                 proc.join(grace)
-        self._pending.put(None)
+        self._calls.close()
         for w in self.workers:
             if w.response_mq is not None:
                 w.response_mq.close()

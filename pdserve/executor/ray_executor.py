@@ -18,18 +18,16 @@ Order. The actors are synchronous with max_concurrency 1 and in-order execution,
 tasks of this driver in submission order: every rank sees the calls in the same order, which its
 collectives need, and a response thread resolves futures in that order too. The one other method,
 `wait_for_death`, runs in its own concurrency group and never returns: its ObjectRef becomes ready
-(with an error) only when the actor dies, which the monitor thread watches for.
-See docs/executors.md.
+(with an error) only when the actor dies, which the monitor thread watches for (both threads:
+executor/worker_calls.py). See docs/executors.md.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +43,7 @@ from pdserve.executor.base import Executor
 from pdserve.executor.ray_worker import RayWorker
 from pdserve.executor.rpc import check_method, decode_reply, decode_results, encode_call
 from pdserve.executor.worker import Worker
+from pdserve.executor.worker_calls import WorkerCalls, wait_for_reply
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +70,6 @@ class RayWorkerHandle:
 
 @dataclass
 class _PendingCall:
-    future: Future[Any]
     method: str
     args: tuple[Any, ...]  # a result is decoded against its call's arguments
     refs: list[tuple[int, ray.ObjectRef]]  # (rank, reply) of the ranks that reply
@@ -87,7 +85,9 @@ class RayExecutor(Executor):
         # Every actor started and its wait_for_death ref, in start order (ranks come later).
         self._actors: list[ActorHandle] = []
         self._death_refs: list[ray.ObjectRef] = []
-        self._pending: queue.Queue[_PendingCall | None] = queue.Queue()
+        self._calls: WorkerCalls[_PendingCall] = WorkerCalls(
+            self._read_replies, self._wait_for_death, self._worker_died
+        )
         self._send_lock = threading.Lock()
         if not ray.is_initialized():
             # Joins the cluster of RAY_ADDRESS or of `ray start` on this node, else starts a
@@ -104,7 +104,7 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self._start_background_threads()
+        self._calls.start()
 
     # ---- start-up ----------------------------------------------------------------------------
 
@@ -216,34 +216,24 @@ class RayExecutor(Executor):
         check_method(Worker, method)
         payload = encode_call(method, args, kwargs or {}, unique_reply_rank)
         ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
-        future: Future[Any] = Future()
         with self._send_lock:  # a call's place in the queue is its place on every actor
             # Checked under the lock: no call may queue behind shutdown's end-of-calls mark.
             if self.is_failed or self.shutting_down:
                 raise RuntimeError("Executor failed.")
             refs = [w.actor.call.remote(payload) for w in self.workers]
-            self._pending.put(
+            future = self._calls.add(
                 _PendingCall(
-                    future,
-                    method,
-                    args,
-                    [(r, refs[r]) for r in ranks],
-                    unique_reply_rank is not None,
+                    method, args, [(r, refs[r]) for r in ranks], unique_reply_rank is not None
                 )
             )
-        return self._await(future, method, timeout, non_block)
+        return wait_for_reply(future, method, timeout, non_block)
 
-    def _resolve_responses(self) -> None:
-        while (call := self._pending.get()) is not None:
-            try:
-                replies = [
-                    (rank, decode_reply(self._get(rank, ref, call.method)))
-                    for rank, ref in call.refs
-                ]
-                results = decode_results(Worker, call.method, replies, call.args)
-                call.future.set_result(results[0] if call.single else results)
-            except Exception as e:
-                call.future.set_exception(e)
+    def _read_replies(self, call: _PendingCall) -> Any:
+        replies = [
+            (rank, decode_reply(self._get(rank, ref, call.method))) for rank, ref in call.refs
+        ]
+        results = decode_results(Worker, call.method, replies, call.args)
+        return results[0] if call.single else results
 
     @staticmethod
     def _get(rank: int, ref: ray.ObjectRef, method: str) -> bytes:
@@ -254,23 +244,15 @@ class RayExecutor(Executor):
 
     # ---- failure and shutdown --------------------------------------------------------------
 
-    def _monitor_workers(self) -> None:
+    def _wait_for_death(self) -> str | None:
         refs = [w.death_ref for w in self.workers]
         done: list[ray.ObjectRef] = []
         while not done and not self.shutting_down:
             done, _ = ray.wait(refs, num_returns=1, timeout=_MONITOR_POLL_S)
         if self.shutting_down:
-            return
+            return None
         dead = self.workers[refs.index(done[0])]
-        logger.error(
-            "Worker rank %d (Ray actor on node %s) died unexpectedly, shutting down executor.",
-            dead.rank,
-            dead.node_id,
-        )
-        self.is_failed = True
-        self.shutdown()
-        if self._failure_callback is not None:
-            self._failure_callback()
+        return f"rank {dead.rank} (Ray actor on node {dead.node_id})"
 
     def shutdown(self) -> None:
         """Kill the actors and release the placement group; Ray itself keeps running."""
@@ -294,4 +276,4 @@ class RayExecutor(Executor):
             ray.util.remove_placement_group(self.placement_group)
         self.placement_group = None
         with self._send_lock:
-            self._pending.put(None)
+            self._calls.close()

@@ -106,14 +106,6 @@ class FreeKVCacheBlockQueue:
         self.fake_tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        blocks = []
-        block = self.fake_head.next_free_block
-        while block is not None and block is not self.fake_tail:
-            blocks.append(block)
-            block = block.next_free_block
-        return blocks
-
 
 class BlockPool:
     """All KV cache blocks of one instance; block 0 is the null block and is never handed out."""

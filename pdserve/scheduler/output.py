@@ -56,10 +56,6 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: list[int]
     num_output_tokens: list[int]
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
     @classmethod
     def make_empty(cls) -> CachedRequestData:
         return cls([], set(), {}, [], [], [])

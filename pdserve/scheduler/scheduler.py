@@ -3,7 +3,8 @@
 Each step hands out a token budget so that every request's `num_computed_tokens` catches up
 with its `num_tokens`, running requests first, then waiting ones (vLLM V1). One class owns
 schedule(), update_from_output(), finish_requests() and preemption; the helpers it composes own
-their state (KV cache manager, request queues, parked remote-KV requests, waiting admission).
+their state (KV cache manager, request queues, parked remote-KV requests, waiting admission),
+and the running requests' share of a step is a function of them (running.py).
 The SchedulerOutput is a pure function of the step's decisions, and `_update_after_schedule`
 advances the requests after it. Async scheduling: a step that samples leaves a placeholder
 token that the next schedule() counts (docs/async_scheduling.md).
@@ -28,12 +29,8 @@ from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.output_builder import build_scheduler_output
 from pdserve.scheduler.remote_kv import RemoteKVRequests
-from pdserve.scheduler.request_queue import (
-    RequestQueue,
-    SchedulingPolicy,
-    create_request_queue,
-    select_victim,
-)
+from pdserve.scheduler.request_queue import SchedulingPolicy, create_request_queue
+from pdserve.scheduler.running import schedule_running
 from pdserve.scheduler.sampled_tokens import (
     apply_sampled_tokens,
     attach_logprobs,
@@ -109,16 +106,6 @@ class Scheduler:
         # more than a few in flight fall back to the lookups.
         self._steps_in_flight = StepsInFlight()
 
-    @property
-    def skipped_waiting(self) -> RequestQueue:
-        """Requests that cannot be scheduled yet (waiting for a KV transfer, or for the
-        connector to decide); looked at before `waiting` each step."""
-        return self.remote_kv.skipped_waiting
-
-    @property
-    def finished_recving_kv_req_ids(self) -> set[str]:
-        return self.remote_kv.finished_recving_kv_req_ids
-
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
@@ -137,83 +124,26 @@ class Scheduler:
             self.waiting.add_request(request)
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_scheduled_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        # Running requests that got new blocks: their row in num_scheduled_tokens, the ids.
-        new_block_ids: dict[str, tuple[int, list[int]]] = {}
-        preempted = positions_moved = False
-        reach_all_tokens = True  # every running request scheduled got all its tokens
-        allocate_slots = self.kv_cache_manager.allocate_slots
-        running_status = RequestStatus.RUNNING
-
         # 1. Running requests, in admission order: decodes and unfinished prefill chunks alike.
-        # Victims of preemption stay in the list until the loop ends, then leave it.
+        ran = schedule_running(
+            self.running,
+            self.max_num_scheduled_tokens,
+            self.kv_cache_manager,
+            self.policy,
+            self._preempt_request,
+        )
+        num_scheduled_tokens = ran.num_scheduled_tokens
         running = self.running
-        for request in running:
-            if preempted and request.status != running_status:
-                continue
-            num_tokens = request.num_tokens
-            if num_placeholders := request.num_output_placeholders:
-                # Placeholders count as tokens: the runner feeds the one it sampled itself.
-                num_tokens += num_placeholders
-                if num_tokens >= request.max_num_tokens:
-                    # The steps in flight already sample the last token the request may have.
-                    continue
-                if request.structured_output is not None:
-                    # Its next mask depends on the token in flight: it waits for it.
-                    continue
-            # At least 1: every step leaves a running request a token to compute (a placeholder
-            # when it sampled). No sampled token passes max_model_len: a request ends at
-            # max_num_tokens <= max_model_len, and the check above keeps steps in flight from
-            # sampling past it (a prompt of max_model_len tokens is computed whole, then ends).
-            num_new_tokens = num_tokens - request.num_computed_tokens
-            if num_new_tokens > token_budget:
-                num_new_tokens = token_budget
-                reach_all_tokens = False
-                if num_new_tokens <= 0:
-                    continue
-                num_tokens = request.num_computed_tokens + num_new_tokens
-            if num_tokens >= request.next_kv_boundary:
-                # Below the boundary (most decode steps) allocate_slots would do nothing.
-                while (new_blocks := allocate_slots(request, num_new_tokens)) is None:
-                    # Preempt by recompute until the request fits, or it is the victim itself.
-                    victim = select_victim(running, self.policy)
-                    if victim.request_id in num_scheduled_tokens:
-                        # Already scheduled this step: it gives its tokens back.
-                        token_budget += num_scheduled_tokens.pop(victim.request_id)
-                        new_block_ids.pop(victim.request_id, None)
-                        positions_moved = True
-                    self._preempt_request(victim)
-                    preempted = True
-                    if victim is request:
-                        break
-                if new_blocks is None:
-                    break
-                if new_blocks:
-                    new_block_ids[request.request_id] = (
-                        len(num_scheduled_tokens),
-                        [b.block_id for b in new_blocks],
-                    )
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-        if positions_moved:  # a victim left num_scheduled_tokens: the rows after it moved up
-            rows = {req_id: i for i, req_id in enumerate(num_scheduled_tokens)}
-            new_block_ids = {r: (rows[r], ids) for r, (_, ids) in new_block_ids.items()}
-        # Usually every running request got tokens (once the budget is spent, the rest get 0).
-        if len(num_scheduled_tokens) == len(running):
-            scheduled_running_reqs = running.copy()
-        else:
-            scheduled_running_reqs = [r for r in running if r.request_id in num_scheduled_tokens]
 
         # 2. Waiting requests, unless this step preempted: what was just freed goes to the
         # preempted requests first, not to newcomers.
-        admissions = Admissions([], [], [], token_budget)
-        if preempted:
-            self.running = running = [r for r in running if r.status == running_status]
+        admissions = Admissions([], [], [], ran.token_budget)
+        if ran.preempted:  # its victims leave the running list
+            self.running = running = [r for r in running if r.status == RequestStatus.RUNNING]
         elif self.waiting or self.remote_kv:
             admissions = self.admission.admit(
                 self.waiting,
-                token_budget,
+                ran.token_budget,
                 self.max_num_running_reqs - len(running),
                 num_scheduled_tokens,
             )
@@ -225,9 +155,9 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             req_ids=list(num_scheduled_tokens),
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
-            running_reqs=scheduled_running_reqs,
-            running_reqs_reach_all_tokens=reach_all_tokens,
-            new_block_ids=new_block_ids,
+            running_reqs=ran.scheduled_reqs,
+            running_reqs_reach_all_tokens=ran.reach_all_tokens,
+            new_block_ids=ran.new_block_ids,
             admitted_reqs=admissions.admitted,
             new_reqs=admissions.new_reqs,
             resumed_reqs=admissions.resumed_reqs,

@@ -78,7 +78,6 @@ class Transport(abc.ABC):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
         self.agent_name = agent_name
-        self.host = host
         self.timeout_s = timeout_s
         # Held so the memory outlives every transfer that may touch it.
         self._tensors: list[torch.Tensor] = []

@@ -124,7 +124,6 @@ class FaultTransport(Transport):
         self.inner = inner
         self.name = inner.name
         self.agent_name = inner.agent_name
-        self.host = inner.host
         self.timeout_s = inner.timeout_s
         self.no_device_reason = inner.no_device_reason
         self.plan_path = plan_path

@@ -52,9 +52,9 @@ def test_abort_after_the_read_before_scheduling(model: str) -> None:
     scheduler = create_scheduler(model)
     req_id = _park(scheduler).request_id
     step(scheduler, [], finished_recving={req_id})
-    assert req_id in scheduler.finished_recving_kv_req_ids
+    assert req_id in scheduler.remote_kv.finished_recving_kv_req_ids
     scheduler.finish_requests(req_id, ABORTED)  # the read is over: free at once
-    assert req_id not in scheduler.requests and not scheduler.finished_recving_kv_req_ids
+    assert req_id not in scheduler.requests and not scheduler.remote_kv.finished_recving_kv_req_ids
     out = scheduler.schedule()
     assert out.finished_req_ids == {req_id} and not connector_meta(out).reqs_to_recv
     assert_scheduler_empty(scheduler)

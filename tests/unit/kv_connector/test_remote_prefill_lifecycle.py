@@ -34,8 +34,8 @@ def test_basic_lifecycle(model: str) -> None:
 
     out = scheduler.schedule()  # blocks for the read; nothing for the model to run
     assert not scheduler.running and not out.scheduled_new_reqs
-    assert out.scheduled_cached_reqs.num_reqs == 0 and out.total_num_scheduled_tokens == 0
-    assert num_waiting(scheduler) == 1 and request in scheduler.skipped_waiting
+    assert not out.scheduled_cached_reqs.req_ids and out.total_num_scheduled_tokens == 0
+    assert num_waiting(scheduler) == 1 and request in scheduler.remote_kv.skipped_waiting
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert request.num_computed_tokens == NUM_TOKENS
     blocks = scheduler.kv_cache_manager.get_blocks(req_id)
@@ -51,7 +51,7 @@ def test_basic_lifecycle(model: str) -> None:
         out, create_model_runner_output([], finished_recving={req_id})
     )
     assert outputs == [] and num_waiting(scheduler) == 1
-    assert req_id in scheduler.finished_recving_kv_req_ids
+    assert req_id in scheduler.remote_kv.finished_recving_kv_req_ids
 
     out = scheduler.schedule()  # the read is done: it runs
     assert len(scheduler.running) == 1
@@ -77,7 +77,7 @@ def test_interleaved_lifecycle(model: str) -> None:
 
     def news(*reqs: Request, **kv_news: set[str]) -> tuple[int, int]:
         out = step(scheduler, list(reqs), **kv_news)
-        return len(out.scheduled_new_reqs), out.scheduled_cached_reqs.num_reqs
+        return len(out.scheduled_new_reqs), len(out.scheduled_cached_reqs.req_ids)
 
     scheduler.add_request(local_a)
     assert news(local_a) == (1, 0)
@@ -134,7 +134,7 @@ def test_full_block_prompt(model: str) -> None:
     assert len(scheduler.kv_cache_manager.get_blocks(req_id)) == 2
     out = scheduler.schedule()
     scheduler.update_from_output(out, create_model_runner_output([], finished_recving={req_id}))
-    assert num_waiting(scheduler) == 1 and req_id in scheduler.finished_recving_kv_req_ids
+    assert num_waiting(scheduler) == 1 and req_id in scheduler.remote_kv.finished_recving_kv_req_ids
 
     out = scheduler.schedule()
     assert len(scheduler.kv_cache_manager.get_blocks(req_id)) == 2
@@ -248,7 +248,10 @@ def test_unexpected_transfer_ids_are_ignored(model: str) -> None:
         finished_sending={request.request_id, "id-gone"},
         finished_recving={request.request_id, "id-gone"},
     )
-    assert request.status == RequestStatus.RUNNING and not scheduler.finished_recving_kv_req_ids
+    assert (
+        request.status == RequestStatus.RUNNING
+        and not scheduler.remote_kv.finished_recving_kv_req_ids
+    )
     assert len(scheduler.kv_cache_manager.get_blocks(request.request_id)) == 3
     step(scheduler, [request])
     scheduler.schedule()

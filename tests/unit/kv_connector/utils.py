@@ -138,7 +138,7 @@ def step(scheduler: Scheduler, reqs: list[Request], **kv_news: Any) -> Scheduler
 
 
 def num_waiting(scheduler: Scheduler) -> int:
-    return len(scheduler.waiting) + len(scheduler.skipped_waiting)
+    return len(scheduler.waiting) + len(scheduler.remote_kv.skipped_waiting)
 
 
 def num_running_waiting(scheduler: Scheduler) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.block_pool import BlockPool
+from pdserve.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.scheduler import Scheduler
 
@@ -19,16 +19,27 @@ EOS = 2
 BLOCK_SIZE = 4
 
 
+def free_blocks(queue: FreeKVCacheBlockQueue) -> list[KVCacheBlock]:
+    """The queue's blocks, least recently freed first, by walking its links."""
+    blocks = []
+    block = queue.fake_head.next_free_block
+    while block is not None and block is not queue.fake_tail:
+        blocks.append(block)
+        block = block.next_free_block
+    return blocks
+
+
 def assert_pool_full(pool: BlockPool) -> None:
     """Invariant 2: every usable block free again, every reference dropped."""
     assert pool.get_num_free_blocks() == pool.num_blocks - 1
     assert all(block.ref_cnt == 0 for block in pool.blocks)
-    assert pool.null_block not in pool.free_block_queue.get_all_free_blocks()
+    assert pool.null_block not in free_blocks(pool.free_block_queue)
 
 
 def assert_scheduler_empty(scheduler: Scheduler) -> None:
-    assert not scheduler.requests and not scheduler.finished_recving_kv_req_ids
-    assert not scheduler.running and not scheduler.waiting and not scheduler.skipped_waiting
+    assert not scheduler.requests and not scheduler.remote_kv.finished_recving_kv_req_ids
+    assert not scheduler.running and not scheduler.waiting
+    assert not scheduler.remote_kv.skipped_waiting
     assert not scheduler.kv_cache_manager.req_to_blocks
     assert not scheduler.kv_cache_manager.num_cached_block
     assert_pool_full(scheduler.kv_cache_manager.block_pool)

@@ -6,10 +6,11 @@ import pytest
 
 from pdserve.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from pdserve.scheduler.kv_cache_utils import hash_block_tokens
+from tests.unit.scheduler.conftest import free_blocks
 
 
 def free_ids(pool: BlockPool) -> list[int]:
-    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    return [b.block_id for b in free_blocks(pool.free_block_queue)]
 
 
 def make_pool(
@@ -37,11 +38,11 @@ def test_free_queue_remove_from_middle_and_order() -> None:
     blocks = [KVCacheBlock(i) for i in range(5)]
     queue = FreeKVCacheBlockQueue(blocks)
     queue.remove(blocks[2])
-    assert [b.block_id for b in queue.get_all_free_blocks()] == [0, 1, 3, 4]
+    assert [b.block_id for b in free_blocks(queue)] == [0, 1, 3, 4]
     assert queue.popleft() is blocks[0]
     queue.append(blocks[2])
     queue.append(blocks[0])
-    assert [b.block_id for b in queue.get_all_free_blocks()] == [1, 3, 4, 2, 0]
+    assert [b.block_id for b in free_blocks(queue)] == [1, 3, 4, 2, 0]
     assert queue.num_free_blocks == 5
     # A block in use carries no links; removing it again is an error.
     queue.remove(blocks[4])

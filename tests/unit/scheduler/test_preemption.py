@@ -133,7 +133,7 @@ def test_resumed_request_emission(make_scheduler: MakeScheduler, use_v2: bool) -
     cached = out.scheduled_cached_reqs
     if use_v2:
         assert out.preempted_req_ids == set()
-        assert cached.num_reqs == 0 and not cached.resumed_req_ids
+        assert not cached.req_ids and not cached.resumed_req_ids
         (new,) = out.scheduled_new_reqs
         assert new.req_id == "b" and new.block_ids == block_ids and new.num_computed_tokens == 4
         assert new.prefill_token_ids == b.prompt_token_ids + [7]
