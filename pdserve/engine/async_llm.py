@@ -16,15 +16,15 @@ import msgspec
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core_client import AsyncEngineCoreClient, EngineDeadError
+from pdserve.engine.handoff import DecodeHandoff
 from pdserve.engine.input_processor import (
     ChatMessages,
     InputProcessor,
     PromptType,
     prompt_cache_salt,
 )
-from pdserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pdserve.engine.messages import EngineCoreOutputs
 from pdserve.engine.output_processor import OutputProcessor
-from pdserve.kv_connector.first_token import shipped_logprobs
 from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.metrics import EngineMetrics
 from pdserve.outputs import EngineCoreOutput, RequestOutput, RequestOutputKind
@@ -46,10 +46,12 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(config.model_config.name)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        # Engine id of the sequence that reads a hand-off -> its siblings' requests, not yet
-        # sent to the engine.
-        self.followers: dict[str, list[EngineCoreRequest]] = {}
         self.client = AsyncEngineCoreClient(config)
+        self.handoff = DecodeHandoff(
+            self.client,
+            self._process_outputs,
+            lambda request_id: request_id in self.output_processor.child_to_parent,
+        )
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> AsyncLLM:
@@ -98,29 +100,21 @@ class AsyncLLM:
         self.queues[request_id] = queue
         self.metrics.request_started(request_id, len(token_ids))
         finished = False
-        # n > 1 sequences reading one hand-off: the first reads it, the others wait here until
-        # the engine answers for the first (its KV has then arrived and is in the prefix cache).
         first_id = children[0][0]
-        shared_read = (
-            len(children) > 1
-            and kv_transfer_params is not None
-            and kv_transfer_params.do_remote_prefill
-        )
         try:
-            if shared_read:
-                self.followers[first_id] = [
-                    self.input_processor.make_request(
-                        child_id, token_ids, child_params, cache_salt=salt
-                    )
-                    for child_id, child_params in children[1:]
-                ]
-            for child_id, child_params in children[:1] if shared_read else children:
-                request = self.input_processor.make_request(
-                    child_id, token_ids, child_params, kv_transfer_params, cache_salt=salt
+            # n > 1 sequences reading one hand-off share its read (DecodeHandoff.send).
+            reads = kv_transfer_params is not None and kv_transfer_params.do_remote_prefill
+            requests = [
+                self.input_processor.make_request(
+                    child_id,
+                    token_ids,
+                    child_params,
+                    kv_transfer_params if i == 0 or not reads else None,
+                    cache_salt=salt,
                 )
-                self.client.add_request(request)
-                if request.output_token_ids:
-                    self._ship_first_token(request)
+                for i, (child_id, child_params) in enumerate(children)
+            ]
+            self.handoff.send(requests, kv_transfer_params)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -130,28 +124,9 @@ class AsyncLLM:
                 yield item
         finally:
             self.queues.pop(request_id, None)
-            self.followers.pop(first_id, None)
+            self.handoff.followers.pop(first_id, None)
             if not finished:
                 self._abort(request_id, "abort")
-
-    def _ship_first_token(self, request: EngineCoreRequest) -> None:
-        """The token the prefill instance sampled (with its logprobs when asked) goes to the
-        client now, not after the load."""
-        logprobs = None
-        if request.sampling_params.logprobs is not None:
-            assert request.kv_transfer_params is not None
-            logprobs = shipped_logprobs(
-                request.kv_transfer_params, request.sampling_params.logprobs
-            )
-        output = EngineCoreOutput(request.request_id, request.output_token_ids, logprobs)
-        self._process_outputs([output])
-        if request.request_id not in self.output_processor.child_to_parent:
-            # Its text met a stop string: it ends without reading, the others prefill.
-            self._release_followers(request.request_id)
-
-    def _release_followers(self, child_id: str) -> None:
-        for request in self.followers.pop(child_id, ()):
-            self.client.add_request(request)
 
     def _abort(self, request_id: str, reason: str) -> None:
         # Ids the engine does not know (rejected, already finished) are ignored there.
@@ -167,14 +142,6 @@ class AsyncLLM:
             self.metrics.record_kv_connector_stats(kv_stats)
         return stats
 
-    async def release_remote_kv(
-        self, request_id: str, kv_transfer_params: KVTransferParams
-    ) -> None:
-        """The request was refused before reaching the engine: the prefill instance holding its
-        KV is told to free it now rather than at the end of its lease."""
-        if kv_transfer_params.do_remote_prefill:
-            await self.client.call_utility("release_remote_kv", request_id, kv_transfer_params)
-
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))
 
@@ -189,11 +156,7 @@ class AsyncLLM:
                 self._fail(parent[0], RequestRejectedError(why))
         if not msg.outputs:
             return
-        if self.followers:
-            for out in msg.outputs:
-                # Whatever the first sequence's news (a token, an error), its load has ended:
-                # the others find what it loaded in the prefix cache, or prefill the rest.
-                self._release_followers(out.request_id)
+        self.handoff.on_outputs(msg.outputs)
         self._process_outputs(msg.outputs)
 
     def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:

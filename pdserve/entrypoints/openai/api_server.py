@@ -122,7 +122,9 @@ async def _on_validation_error(request: Request, e: Exception) -> JSONResponse:
     except (ValueError, TypeError, msgspec.ValidationError):
         params = None
     if params is not None:
-        await server_state(request).serving.release_if_rejected(params, request_id_of(request))
+        await server_state(request).engine.handoff.release_if_rejected(
+            params, request_id_of(request)
+        )
     return error_response(validation_error(list(e.errors())))
 
 

@@ -88,7 +88,9 @@ async def _generate(
         answer = await _with_cancellation(request, full(body, rid))
     except OpenAIError as e:
         if e.status < 500:  # refused before the engine saw it: free the prefill side's KV now
-            await server_state(request).serving.release_if_rejected(body.kv_transfer_params, rid)
+            await server_state(request).engine.handoff.release_if_rejected(
+                body.kv_transfer_params, rid
+            )
         raise
     if answer is None:
         return Response(status_code=499)

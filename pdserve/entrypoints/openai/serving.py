@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -14,7 +14,7 @@ import msgspec
 from pdserve.engine.async_llm import AsyncLLM, RequestRejectedError
 from pdserve.engine.core_client import EngineDeadError
 from pdserve.engine.input_processor import check_params_for_model
-from pdserve.kv_transfer_params import KV_LOAD_FAILED, KVTransferParams
+from pdserve.kv_transfer_params import KVTransferParams
 from pdserve.outputs import Logprob, RequestOutput, RequestOutputKind
 from pdserve.protocol.chat import ChatCompletionRequest
 from pdserve.protocol.completion import CompletionRequest
@@ -63,13 +63,6 @@ async def merge(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _remote_read(params: KVTransferParams | None) -> tuple[str, str] | None:
-    """(prefill engine, its request id) of the hand-off a decode request reads, if any."""
-    if params is None or not params.do_remote_prefill or params.remote_request_id is None:
-        return None
-    return str(params.remote_engine_id), params.remote_request_id
-
-
 class OpenAIServing:
     def __init__(
         self,
@@ -89,7 +82,6 @@ class OpenAIServing:
         self.max_pending_requests = max_pending_requests
         # The prefill hand-offs requests in flight here read, and by whom: a hand-off serves
         # one request, and a second one naming it (a replay, a reused X-Request-Id) fails.
-        self.remote_reads: dict[tuple[str, str], str] = {}
 
     # ---- shared checks ---------------------------------------------------------------------
 
@@ -209,56 +201,20 @@ class OpenAIServing:
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """`stream`, as long as its request id and the hand-off it reads are its own: a
         duplicate of either is the client's error (400), which ends only that request."""
-        remote = _remote_read(kv_transfer_params)
-        if remote is not None:
-            holder = self.remote_reads.get(remote)
-            if holder is not None:
-                raise OpenAIError(
-                    400,
-                    f"kv_transfer_params.remote_request_id {remote[1]!r} of prefill engine "
-                    f"{remote[0]} is already being read by request {holder!r}; a prefill "
-                    "hand-off serves one request.",
-                    param="kv_transfer_params.remote_request_id",
-                )
-            self.remote_reads[remote] = request_id
-        started = False
-        try:
-            async for item in stream:
-                started = True
-                yield item
-        except ValueError as e:
-            if started:
-                raise
-            # Refused before it reached the engine: its X-Request-Id names a request in flight.
-            raise OpenAIError(400, str(e)) from None
-        finally:
-            if remote is not None:
-                del self.remote_reads[remote]
+        with self.engine.handoff.claim(request_id, kv_transfer_params):
+            started = False
+            try:
+                async for item in stream:
+                    started = True
+                    yield item
+            except ValueError as e:
+                if started:
+                    raise
+                # Refused before it reached the engine: its X-Request-Id names a request in
+                # flight.
+                raise OpenAIError(400, str(e)) from None
 
     # ---- for both endpoints ----------------------------------------------------------------
-
-    async def release_if_rejected(
-        self, kv_transfer_params: KVTransferParams | None, request_id: str
-    ) -> None:
-        """Called when the request is refused here: a prefill instance may hold its KV. Not
-        when another request here reads that hand-off: freeing it would pull the blocks from
-        under that read (the lease frees them if they are this request's)."""
-        remote = _remote_read(kv_transfer_params)
-        if remote is not None and remote in self.remote_reads:
-            logger.warning(
-                "Rejected request %s names the hand-off %s, which request %s reads: not released.",
-                request_id,
-                remote,
-                self.remote_reads[remote],
-            )
-            return
-        if kv_transfer_params and self.engine.dead_reason is None:
-            try:
-                await self.engine.release_remote_kv(request_id, kv_transfer_params)
-            except (TimeoutError, RuntimeError) as e:  # the lease still frees them
-                logger.warning(
-                    "Could not release the remote KV of rejected request %s: %s", request_id, e
-                )
 
     def prompt_logprobs(self, req: CompletionRequest | ChatCompletionRequest) -> int | None:
         """What the engine computes of the prompt's logprobs: `prompt_logprobs`, or with echo
@@ -348,14 +304,6 @@ class UsageCounter:
 
 def first_kv_params(outputs: Any) -> KVTransferParams | None:
     return next((o.kv_transfer_params for o in outputs if o.kv_transfer_params is not None), None)
-
-
-def path_headers(outputs: Iterable[RequestOutput]) -> dict[str, str]:
-    """A decode instance that recomputed a failed load says so, as the proxy does for its
-    own fallbacks (a stream cannot: its headers go out with the shipped first token)."""
-    if any(o.kv_load_recomputed for o in outputs):
-        return {"X-PD-Path": f"local; reason={KV_LOAD_FAILED}"}
-    return {}
 
 
 def as_json(params: KVTransferParams | None) -> dict[str, Any] | None:

@@ -7,12 +7,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.engine.handoff import path_headers
 from pdserve.entrypoints.openai.serving import (
     OpenAIServing,
     Prompt,
     UsageCounter,
     as_json,
-    path_headers,
     prompt_logprobs_json,
     reporting_errors,
     sse,

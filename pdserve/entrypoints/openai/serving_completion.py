@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.engine.handoff import path_headers
 from pdserve.entrypoints.openai.serving import (
     OpenAIServing,
     Prompt,
@@ -14,7 +15,6 @@ from pdserve.entrypoints.openai.serving import (
     as_json,
     clamp,
     first_kv_params,
-    path_headers,
     prompt_logprobs_json,
     reporting_errors,
     sse,
