@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import deque
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -21,30 +20,21 @@ from pdserve.kv_connector.nixl.handshake import HandshakeServer
 from pdserve.kv_connector.nixl.metadata import (
     AgentMetadata,
     HandshakePayload,
-    LeaseStamp,
     NixlConnectorMetadata,
-    PushReqMeta,
     RecvReqMeta,
-    RemoteAddress,
 )
+from pdserve.kv_connector.nixl.push_orders import DONE, NoPush, PushOrders
+from pdserve.kv_connector.nixl.scheduler_leases import Heartbeats, LeaseBoard
 from pdserve.kv_connector.nixl.staging import StagingPool
 from pdserve.kv_transfer_params import KVTransferParams, RemoteLease
 from pdserve.outputs import KVConnectorOutput
-from pdserve.request import Request, RequestStatus
+from pdserve.request import Request
 
 if TYPE_CHECKING:
     from pdserve.scheduler.block_pool import KVCacheBlock
     from pdserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-# A prefill request that ends so is read; any other ending (an abort) is not.
-# Only a request that ran out of tokens (the proxy's max_tokens=1 hop) has a decode leg to come:
-# one the first token stopped (EOS, a stop token) is complete, and its blocks free at once.
-_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED,)
-# In push mode a request named by a transfer id has its decode leg there already, which samples
-# its own first token: a stop here is no reason not to push.
-_PUSH_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
 def _recv_meta(params: KVTransferParams, local_block_ids: list[int]) -> RecvReqMeta:
@@ -77,65 +67,13 @@ def _first_token(request: Request) -> int | None:
     return None
 
 
-class LeaseBoard:
-    """Prefill side: the slots of the workers' lease board, by request.
-
-    A request that will be read gets a slot and a random tag at admission, before its params can
-    leave this instance; the workers write the tag into the slot, and clear it when the lease
-    ends (read, or expired) before they report the blocks free. A reader checks the slot after
-    its READ: the tag proves the blocks were still this request's while it read. Without the
-    workers' board size (no handshake metadata yet) slots are not bounded."""
-
-    def __init__(self) -> None:
-        self.num_slots: int | None = None
-        self._free: deque[int] = deque()
-        self._next = 0
-        self.held: dict[str, LeaseStamp] = {}
-        self.orders: dict[str, LeaseStamp] = {}  # for the next step's metadata
-
-    def size(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = deque(range(num_slots))
-
-    def has_room(self) -> bool:
-        return self.num_slots is None or bool(self._free)
-
-    def take(self, req_id: str) -> None:
-        if self.num_slots is None:
-            slot, self._next = self._next, self._next + 1
-        else:
-            slot = self._free.popleft()
-        self.held[req_id] = self.orders[req_id] = LeaseStamp(slot, secrets.randbits(62) + 1)
-
-    def clear(self, req_id: str) -> None:
-        """The request will not be read: the workers clear its slot, which is free again (the
-        clear comes before any later stamp of the slot: the workers apply orders in order)."""
-        stamp = self.held.pop(req_id, None)
-        if stamp is not None:
-            self.orders[req_id] = LeaseStamp(stamp.slot, 0)
-            self._release(stamp.slot)
-
-    def ended(self, req_ids: set[str]) -> None:
-        """Leases the workers ended (they cleared the slots themselves)."""
-        for req_id in req_ids:
-            stamp = self.held.pop(req_id, None)
-            if stamp is not None:
-                self._release(stamp.slot)
-
-    def _release(self, slot: int) -> None:
-        if self.num_slots is not None:
-            self._free.append(slot)
-
-    def take_orders(self) -> dict[str, LeaseStamp]:
-        orders, self.orders = self.orders, {}
-        return orders
-
-
 class NixlConnectorScheduler:
+    """Composed by role: the decode side's reads and heartbeats, the prefill side's lease board
+    and held blocks, the push orders (`NoPush` for a pull connector), host staging."""
+
     def __init__(self, config: EngineConfig, push: bool = False) -> None:
         kv = config.kv_transfer_config
         assert kv is not None
-        self.push = push
         self.engine_id = kv.engine_id
         self.lease_duration = kv.kv_lease_duration
         self.tp_size = config.parallel_config.tensor_parallel_size
@@ -148,17 +86,10 @@ class NixlConnectorScheduler:
         # that knew an earlier one at the same address handshakes again.
         self.epoch = secrets.token_hex(8)
         self.board = LeaseBoard()
+        self.heartbeats = Heartbeats(self.lease_duration)
+        self.push: PushOrders | NoPush = PushOrders(self.lease_duration) if push else NoPush()
         self._reqs_need_recv: dict[str, RecvReqMeta] = {}
         self._reqs_need_send: dict[str, float] = {}
-        # Decode side: request id -> (engine id, remote request id) of every request whose KV a
-        # prefill instance holds for it, from its arrival (queued or not) until its read ends:
-        # heartbeats keep those leases alive.
-        self._awaited: dict[str, tuple[str, str]] = {}
-        self._addresses: dict[str, RemoteAddress] = {}  # engine id -> its side channel
-        # Engine id -> seconds between its heartbeats (a sixth of its lease, which its params
-        # say; this instance's own otherwise), and when it last got one.
-        self._beat_every: dict[str, float] = {}
-        self._last_beat: dict[str, float] = {}
         # Decode side: reads (empty ones too) the workers have not reported done. Unlike
         # heartbeats they outlive an abort: the blocks stay held, and the engine must keep
         # polling the workers, until the read ends.
@@ -168,13 +99,6 @@ class NixlConnectorScheduler:
         self._sending: set[str] = set()
         self.stats: dict[str, float] = {}
         self._last_meta = time.monotonic()  # the workers' last step
-        # Push mode. Prefill side: requests whose blocks fill for a push (request, its block
-        # list, which the KV cache manager extends in place), and transfer ids of requests
-        # aborted since the last step. Decode side: requests aborted while their push is
-        # awaited.
-        self._pushing: dict[str, tuple[Request, list[KVCacheBlock]]] = {}
-        self._push_aborts: list[str] = []
-        self._push_cancels: list[str] = []
         # Decode side: requests that need nothing from the prefill side after all.
         self._declines: dict[str, RecvReqMeta] = {}
         self.recompute_failed_loads = kv.kv_load_failure_policy == "recompute"
@@ -214,17 +138,8 @@ class NixlConnectorScheduler:
         """Decode side: a request that reads remote KV heart-beats from its arrival, so that a
         prefill instance keeps its blocks however long it queues here."""
         params = request.kv_transfer_params
-        if params is not None and params.reads_remote(self.push):
-            self._await(request.request_id, _recv_meta(params, []), params.remote_lease)
-
-    def _await(self, req_id: str, read: RecvReqMeta, lease: RemoteLease | None) -> None:
-        engine_id = read.remote_engine_id
-        self._awaited[req_id] = (engine_id, read.remote_request_id)
-        self._addresses[engine_id] = RemoteAddress(
-            read.remote_host, read.remote_port, read.remote_tp_size
-        )
-        every = ((lease.seconds if lease else None) or self.lease_duration) / 6
-        self._beat_every[engine_id] = min(self._beat_every.get(engine_id, every), every)
+        if params is not None and params.reads_remote(self.push.enabled):
+            self.heartbeats.watch(request.request_id, _recv_meta(params, []), params.remote_lease)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -232,11 +147,9 @@ class NixlConnectorScheduler:
         params = request.kv_transfer_params
         # Without every remote field no read can start (update_state_after_alloc warns): the
         # request prefills here rather than wait for KV that never comes.
-        if params is not None and params.reads_remote(self.push):
+        if params is not None and params.reads_remote(self.push.enabled):
             count = request.num_prompt_tokens - num_computed_tokens
-            if self.push and num_computed_tokens and count <= self.block_size:
-                # The local hit holds all but at most a block: computing that here is quicker
-                # than waiting for the prefill instance (it is told nothing is needed).
+            if self.push.declines_rest(num_computed_tokens, count, self.block_size):
                 return 0, False
             if count > 0:
                 # The blocks beyond the local hit land in staging first: wait for room.
@@ -248,7 +161,7 @@ class NixlConnectorScheduler:
                 ):
                     return None, False
                 return count, True
-        elif params is not None and params.do_remote_decode and not self.push:
+        elif params is not None and params.do_remote_decode and not self.push.enabled:
             if request.request_id not in self.board.held and not self.board.has_room():
                 return None, False
             if self._stages_save(request):
@@ -281,13 +194,12 @@ class NixlConnectorScheduler:
             self.staging.reserve_save(request)
         if params is None:
             return
-        if params.do_remote_decode and self.push:
-            self._pushing[request.request_id] = (request, blocks)
-        elif params.do_remote_decode and request.request_id not in self.board.held:
-            self.board.take(request.request_id)
+        if params.do_remote_decode and not self.push.admit(request, blocks):
+            if request.request_id not in self.board.held:
+                self.board.take(request.request_id)
         if not params.do_remote_prefill:
             return
-        if missing := params.missing_remote_fields(self.push):
+        if missing := params.missing_remote_fields(self.push.enabled):
             logger.warning(
                 "Request %s: kv_transfer_params lack %s; it prefills locally.",
                 request.request_id,
@@ -312,7 +224,7 @@ class NixlConnectorScheduler:
             read = _recv_meta(params, local)
             read.staging_block_ids = staging_ids
             self._reqs_need_recv[request.request_id] = read
-            self._await(request.request_id, read, params.remote_lease)
+            self.heartbeats.watch(request.request_id, read, params.remote_lease)
             self._reading.add(request.request_id)
             # The prefill instance's own prefix-cache hits: the client's cached tokens count
             # those of the tokens read here (scheduler/admission.py).
@@ -331,42 +243,15 @@ class NixlConnectorScheduler:
         if self.staging is not None:
             meta.reqs_to_save = self.staging.save_orders(scheduler_output)
         meta.lease_stamps = self.board.take_orders()
-        if self.push:
-            self._push_orders(meta, scheduler_output)
-        now = time.monotonic()
-        for engine_id, remote_id in self._awaited.values():
-            if engine_id in meta.heartbeats or (
-                now - self._last_beat.get(engine_id, -1e18) >= self._beat_every[engine_id]
-            ):
-                meta.heartbeats.setdefault(engine_id, []).append(remote_id)
-        for engine_id in meta.heartbeats:
-            self._last_beat[engine_id] = now
-        meta.remote_engines = {e: self._addresses[e] for e in meta.heartbeats}
+        self.push.orders(meta, scheduler_output)
+        self.heartbeats.due(meta)
         self._reqs_need_recv, self._reqs_need_send = {}, {}
         return meta
-
-    def _push_orders(self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
-        """The step's push orders: the blocks each pushing request's step makes final (the
-        request's numbers are still those from before the step), aborts, cancels."""
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            if req_id not in self._pushing:
-                continue
-            request, blocks = self._pushing[req_id]
-            params = request.kv_transfer_params
-            assert params is not None
-            meta.reqs_to_push[req_id] = PushReqMeta(
-                params.transfer_id or req_id,
-                [b.block_id for b in blocks],
-                request.num_prompt_tokens,
-                min(request.num_computed_tokens + num_tokens, request.num_prompt_tokens),
-            )
-        meta.push_aborts, self._push_aborts = self._push_aborts, []
-        meta.push_cancels, self._push_cancels = self._push_cancels, []
 
     def release_remote(self, request_id: str, params: KVTransferParams) -> bool:
         """Tell the prefill side to free a request's blocks now, with an empty read: this
         instance will never read them (aborted before admission, or rejected by the server)."""
-        if not params.missing_remote_fields(self.push):
+        if not params.missing_remote_fields(self.push.enabled):
             self._reqs_need_recv[request_id] = _recv_meta(params, [])
             self._reading.add(request_id)
         return True
@@ -374,19 +259,25 @@ class NixlConnectorScheduler:
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, KVTransferParams | None]:
-        # A decode request's heartbeats go on while its read is in flight (`_awaited` ends with
-        # the read): the read holds the prefill side's blocks until it tells it.
+        # A decode request's heartbeats go on while its read is in flight (they end with the
+        # read): the read holds the prefill side's blocks until it tells it.
         req_id = request.request_id
         if req_id not in self._reading:
-            self._awaited.pop(req_id, None)
-        elif self.push:
-            self._push_cancels.append(req_id)  # the prefill side stops writing into its blocks
+            self.heartbeats.end(req_id)
+        else:
+            self.push.cancel(req_id)  # the prefill side stops writing into its blocks
         params = request.kv_transfer_params
-        if self.push and params is not None and params.do_remote_decode:
-            return self._push_finished(request, block_ids, params)
+        if isinstance(self.push, PushOrders) and params is not None and params.do_remote_decode:
+            transfer_id = self.push.finished(request, params)
+            if transfer_id is None or not block_ids:
+                return False, None
+            self._hold(req_id)
+            # A decode instance registers with these after this answer (the sequential path:
+            # what the proxy takes when it cannot send both hops at once).
+            return True, self._reader_params(request, transfer_id)
         staging_ids = None
         if self.staging is not None and self.staging.holds_save(req_id):
-            staging_ids = self.staging.end_save(request, request.status in _DONE)
+            staging_ids = self.staging.end_save(request, request.status in DONE)
             if staging_ids is None:
                 self.board.clear(req_id)
                 return False, None
@@ -399,14 +290,13 @@ class NixlConnectorScheduler:
             return False, None
         if not params.do_remote_decode:
             return False, None
-        if request.status not in _DONE:
+        if request.status not in DONE:
             self.board.clear(req_id)
             return False, None  # aborted: nobody will read
         # A staged copy is what the reader reads: the device blocks are free at once.
         remote_ids = block_ids if staging_ids is None else staging_ids
         if remote_ids:
-            self._reqs_need_send[req_id] = time.time() + self.lease_duration
-            self._sending.add(req_id)
+            self._hold(req_id)
         else:
             self.board.clear(req_id)
         stamp = self.board.held.get(req_id)
@@ -437,25 +327,10 @@ class NixlConnectorScheduler:
             remote_lease=remote_lease,
         )
 
-    def _push_finished(
-        self, request: Request, block_ids: list[int], params: KVTransferParams
-    ) -> tuple[bool, KVTransferParams | None]:
-        """A pushing prefill request finished: its blocks stay held until every registrant was
-        written (or its lease expired unregistered). Aborted, it frees at once: a write still
-        reading its blocks only feeds a registration that ends failed."""
-        req_id = request.request_id
-        self._pushing.pop(req_id, None)
-        transfer_id = params.transfer_id or req_id
-        if request.status not in (_PUSH_DONE if params.transfer_id else _DONE):
-            self._push_aborts.append(transfer_id)
-            return False, None
-        if not block_ids:
-            return False, None
+    def _hold(self, req_id: str) -> None:
+        """Prefill side: the request's blocks wait for their reader, under a lease."""
         self._reqs_need_send[req_id] = time.time() + self.lease_duration
         self._sending.add(req_id)
-        # A decode instance registers with these after this answer (the sequential path: what
-        # the proxy takes when it cannot send both hops at once).
-        return True, self._reader_params(request, transfer_id)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         sent = output.finished_sending or set()
@@ -465,7 +340,7 @@ class NixlConnectorScheduler:
             # Their requests were freed when they finished: the ids are this connector's own.
             output.finished_sending = (sent - staged) or None
         for req_id in output.finished_recving or ():
-            self._awaited.pop(req_id, None)
+            self.heartbeats.end(req_id)
             self._reading.discard(req_id)
             if self.staging is not None:
                 self.staging.read_ended(req_id)
@@ -485,10 +360,7 @@ class NixlConnectorScheduler:
         return bool(self._sending or self._reading) or due
 
     def idle_poll_s(self) -> float | None:
-        # A push-mode prefill rank hears registrations, and their cancels, for requests this
-        # half never held (a prefill hop refused, one already freed): only a step answers
-        # them, where the decode side's watchdog would wait a lease.
-        return self.lease_duration / 6 if self.push else None
+        return self.push.idle_poll_s()
 
     def load_failure_recomputes(self) -> bool:
         return self.recompute_failed_loads

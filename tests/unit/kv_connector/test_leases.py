@@ -16,6 +16,7 @@ import torch
 
 from pdserve.kv_connector.nixl import lease as nixl_lease
 from pdserve.kv_connector.nixl import scheduler as nixl_scheduler
+from pdserve.kv_connector.nixl import scheduler_leases as nixl_leases
 from pdserve.kv_connector.nixl import worker as nixl_worker
 from pdserve.kv_connector.nixl.handshake import HandshakeServer
 from pdserve.kv_connector.nixl.metadata import (
@@ -67,6 +68,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     monkeypatch.setattr(nixl_worker, "time", clock)
     monkeypatch.setattr(nixl_lease, "time", clock)
     monkeypatch.setattr(nixl_scheduler, "time", clock)
+    monkeypatch.setattr(nixl_leases, "time", clock)
     return clock
 
 
