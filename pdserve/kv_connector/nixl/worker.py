@@ -15,8 +15,6 @@ side READs into it and copies into the cache before it reports the load done (st
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -25,10 +23,9 @@ import torch
 from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.kv_connector.nixl.handshake import (
-    HandshakeError,
     client_reason,
-    fetch_agent_metadata,
 )
+from pdserve.kv_connector.nixl.handshaker import Handshaker
 from pdserve.kv_connector.nixl.lease import LeaseHolder
 from pdserve.kv_connector.nixl.metadata import (
     AgentMetadata,
@@ -96,9 +93,7 @@ class NixlConnectorWorker:
         self.compat_hash: str | None = None
         self._meta = NixlConnectorMetadata()
         self._meta_decoder = msgspec.msgpack.Decoder(NixlConnectorMetadata)
-        self._handshaker = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-handshake")
-        self._handshakes: dict[str, Future[RemoteEngine]] = {}
-        self._engines: dict[str, RemoteEngine] = {}
+        self.handshaker: Handshaker | None = None  # once the cache is registered
         self._waiting: dict[str, RecvReqMeta] = {}  # for their engine's handshake
         self._done_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
@@ -108,9 +103,8 @@ class NixlConnectorWorker:
         self._stats: dict[str, float] = {}
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.board_region = -1
-        # Decode side: handshakes heartbeats asked for (engine -> when), requests that already
-        # handshook again because their prefill instance's epoch had changed.
-        self._prepared: dict[str, float] = {}
+        # Decode side: requests that already handshook again because their prefill instance's
+        # epoch had changed.
         self._rehandshaked: set[str] = set()
         # Set once the cache is registered: the READ path, or push mode's two sides. The
         # requests of `_waiting` that decline (they ask for nothing and report nothing).
@@ -139,6 +133,16 @@ class NixlConnectorWorker:
         self.board_region = self.transport.register_region(board)
         self.topology = Topology(
             kv_cache, self.tp_rank, self.tp_size, self.transport, region.device
+        )
+        self.handshaker = Handshaker(
+            self.transport,
+            self.transport_name,
+            self.topology,
+            region,
+            self.compat_factors if self.enforce_handshake_compat else None,
+            self.handshake_timeout,
+            self.lease_duration,
+            self._count,
         )
         if not self.push:
             self.reader = KVReader(self.transport, self.topology, self.host_buffer, self._count)
@@ -210,24 +214,14 @@ class NixlConnectorWorker:
             for req_id in meta.push_cancels:
                 if req_id in self._waiting:  # not registered yet: register for nothing
                     self._waiting[req_id].local_block_ids = []
+        assert self.handshaker is not None
         for engine_id, remote_ids in meta.heartbeats.items():
-            engine = self._engines.get(engine_id)
+            engine = self.handshaker.engines.get(engine_id)
             if engine is not None:
                 self._notify(engine, Notif("heartbeat", remote_ids))
             elif engine_id in meta.remote_engines:
-                self._prepare(engine_id, meta.remote_engines[engine_id])
+                self.handshaker.prepare(engine_id, meta.remote_engines[engine_id])
         self._start_loads()
-
-    def _prepare(self, engine_id: str, address: RemoteAddress) -> None:
-        """Handshake with an engine that requests queued here wait for, so that their heartbeats
-        reach it before their reads; at most once per lease duration."""
-        last = self._prepared.get(engine_id)
-        if engine_id in self._handshakes or (
-            last is not None and time.monotonic() - last < self.lease_duration
-        ):
-            return
-        self._prepared[engine_id] = time.monotonic()
-        self._handshakes[engine_id] = self._handshaker.submit(self._handshake, engine_id, address)
 
     def wait_for_save(self) -> None:
         """Host staging, prefill side: the step's forward pass wrote the last blocks of these
@@ -242,9 +236,11 @@ class NixlConnectorWorker:
             )
 
     def _start_loads(self) -> None:
+        assert self.handshaker is not None
+        engines = self.handshaker.engines
         for req_id, meta in list(self._waiting.items()):
             engine_id = meta.remote_engine_id
-            engine = self._engines.get(engine_id)
+            engine = engines.get(engine_id)
             if engine is not None and meta.remote_epoch and engine.epoch != meta.remote_epoch:
                 if req_id in self._rehandshaked:
                     # Handshook again and still another incarnation: its own is gone.
@@ -275,14 +271,11 @@ class NixlConnectorWorker:
                     meta.remote_epoch,
                 )
                 self._rehandshaked.add(req_id)
-                del self._engines[engine_id]
+                del engines[engine_id]
                 engine = None
             if engine is None:
-                if engine_id not in self._handshakes:
-                    address = RemoteAddress(meta.remote_host, meta.remote_port, meta.remote_tp_size)
-                    self._handshakes[engine_id] = self._handshaker.submit(
-                        self._handshake, engine_id, address
-                    )
+                address = RemoteAddress(meta.remote_host, meta.remote_port, meta.remote_tp_size)
+                self.handshaker.start(engine_id, address)
                 continue
             del self._waiting[req_id]
             self._rehandshaked.discard(req_id)
@@ -302,36 +295,6 @@ class NixlConnectorWorker:
                     "failed_transfers",
                     f"the KV read from prefill engine {engine_id} failed to start: {client_reason(e)}",
                 )
-
-    def _handshake(self, engine_id: str, address: RemoteAddress) -> RemoteEngine:
-        assert self.topology is not None
-        ranks = self.topology.remote_ranks(address.tp_size)
-        expected = self.compat_factors if self.enforce_handshake_compat else None
-        agents = []
-        for rank in ranks:
-            remote = fetch_agent_metadata(
-                address.host,
-                address.port,
-                rank,
-                expected,
-                engine_id,
-                self.handshake_timeout,
-            )
-            self._check_memory(remote)
-            self.topology.check_compatible(remote, address.tp_size)
-            agents.append((self.transport.add_remote_agent(remote.agent_metadata), remote))
-        return RemoteEngine(engine_id, address.tp_size, agents, agents[0][1].epoch)
-
-    def _check_memory(self, remote: AgentMetadata) -> None:
-        assert self.region is not None
-        obstacle = self.transport.read_obstacle(remote.memory)
-        if obstacle is not None:
-            raise HandshakeError(
-                f"engine {remote.engine_id} rank {remote.tp_rank}",
-                f"its KV memory is {remote.memory}, this instance's is "
-                f"{memory_kind(self.region)}, and the {self.transport_name} transport here "
-                f"cannot read {remote.memory} memory ({obstacle})",
-            )
 
     def _notify(self, engine: RemoteEngine, notif: Notif) -> None:
         for agent, _ in engine.agents:
@@ -375,22 +338,14 @@ class NixlConnectorWorker:
         part.failed = {}
 
     def _finish_handshakes(self) -> None:
-        for engine_id, future in list(self._handshakes.items()):
-            if not future.done():
-                continue
-            del self._handshakes[engine_id]
-            try:
-                self._engines[engine_id] = future.result()
-            except Exception as e:  # HandshakeError, an incompatible layout, a transport error
-                logger.error("KV handshake with engine %s failed: %s", engine_id, e)
-                self._count("handshake_failures")
-                reason = (
-                    f"the KV handshake with prefill engine {engine_id} failed: {client_reason(e)}"
-                )
-                for req_id, meta in list(self._waiting.items()):
-                    if meta.remote_engine_id == engine_id:
-                        del self._waiting[req_id]
-                        self._fail(req_id, meta.local_block_ids, "failed_transfers", reason)
+        if self.handshaker is None:
+            return
+        for engine_id, e in self.handshaker.finished().items():
+            reason = f"the KV handshake with prefill engine {engine_id} failed: {client_reason(e)}"
+            for req_id, meta in list(self._waiting.items()):
+                if meta.remote_engine_id == engine_id:
+                    del self._waiting[req_id]
+                    self._fail(req_id, meta.local_block_ids, "failed_transfers", reason)
         self._start_loads()
 
     def _poll_notifications(self) -> None:
@@ -430,5 +385,6 @@ class NixlConnectorWorker:
         return stats
 
     def shutdown(self) -> None:
-        self._handshaker.shutdown(wait=False, cancel_futures=True)
+        if self.handshaker is not None:
+            self.handshaker.shutdown()
         self.transport.shutdown()

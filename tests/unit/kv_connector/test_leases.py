@@ -14,10 +14,10 @@ import msgspec
 import pytest
 import torch
 
+from pdserve.kv_connector.nixl import handshaker as nixl_handshaker
 from pdserve.kv_connector.nixl import lease as nixl_lease
 from pdserve.kv_connector.nixl import scheduler as nixl_scheduler
 from pdserve.kv_connector.nixl import scheduler_leases as nixl_leases
-from pdserve.kv_connector.nixl import worker as nixl_worker
 from pdserve.kv_connector.nixl.handshake import HandshakeServer
 from pdserve.kv_connector.nixl.metadata import (
     LeaseStamp,
@@ -65,7 +65,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    monkeypatch.setattr(nixl_worker, "time", clock)
+    monkeypatch.setattr(nixl_handshaker, "time", clock)
     monkeypatch.setattr(nixl_lease, "time", clock)
     monkeypatch.setattr(nixl_scheduler, "time", clock)
     monkeypatch.setattr(nixl_leases, "time", clock)
@@ -272,7 +272,7 @@ def test_heartbeat_for_an_unknown_engine_handshakes_first(
         )
         d.start_load_kv()
         # No read asked for it: only the heartbeat can have made the engine known.
-        poll(lambda: d.get_finished() == (None, None) and "prefill" in d._engines)
+        poll(lambda: d.get_finished() == (None, None) and "prefill" in d.handshaker.engines)
         clock.now = start + LEASE - 1
         # The heartbeat first; the empty read's `done` after it marks its arrival.
         d.bind(

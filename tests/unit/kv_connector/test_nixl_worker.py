@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import torch
 
+from pdserve.kv_connector.nixl import handshaker as nixl_handshaker
 from pdserve.kv_connector.nixl import lease as nixl_lease
-from pdserve.kv_connector.nixl import worker as nixl_worker
 from pdserve.kv_connector.nixl.handshake import HandshakeServer
 from pdserve.kv_connector.nixl.metadata import (
     AgentMetadata,
@@ -49,7 +49,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    monkeypatch.setattr(nixl_worker, "time", clock)
+    monkeypatch.setattr(nixl_handshaker, "time", clock)
     monkeypatch.setattr(nixl_lease, "time", clock)
     return clock
 
