@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.kv_connector.nixl.handshake import (
     client_reason,
@@ -77,7 +76,6 @@ class NixlConnectorWorker:
         self.transport = make_transport(
             kv.transport,
             f"{self.engine_id}:{tp_rank}",
-            envs.side_channel_host(),
             kv.transfer_timeout,
             kv.ucx_tls,
             device_memory=kv.buffer_device(config.device) == "cuda",

@@ -74,7 +74,7 @@ class Transport(abc.ABC):
     # Why this agent cannot move CUDA memory; None when it can. Set by each backend.
     no_device_reason: str | None = "torch sees no CUDA device"
 
-    def __init__(self, agent_name: str, host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
+    def __init__(self, agent_name: str, timeout_s: float = 10.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
         self.agent_name = agent_name
@@ -228,7 +228,6 @@ CUDA_TLS = "self,posix,cuda_copy,cuda_ipc"
 def make_transport(
     name: str,
     agent_name: str,
-    host: str = "127.0.0.1",
     timeout_s: float = 10.0,
     ucx_tls: str | None = None,
     device_memory: bool = False,
@@ -250,7 +249,7 @@ def make_transport(
     if name == "ucx":
         tls = ucx_tls or (CUDA_TLS if device_memory else None)
         kwargs["ucx_config"] = {"TLS": tls} if tls else None
-    transport = cls(agent_name, host, timeout_s, **kwargs)
+    transport = cls(agent_name, timeout_s, **kwargs)
     plan = envs.kv_fault_plan()
     if plan is None:
         return transport

@@ -119,12 +119,11 @@ class NixlTransport(Transport):
     def __init__(
         self,
         agent_name: str,
-        host: str = "127.0.0.1",
         timeout_s: float = 10.0,
         progress_delay_us: int = 10_000,
     ) -> None:
-        super().__init__(agent_name, host, timeout_s)
-        # NIXL's metadata carries its own connection info; `host` is kept for the interface.
+        super().__init__(agent_name, timeout_s)
+        # NIXL's metadata carries its own connection info.
         with _progress_delay(progress_delay_us):
             self._agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
         if "VRAM_SEG" not in self._agent.get_backend_mem_types("UCX"):

@@ -54,12 +54,11 @@ class UcxTransport(Transport):
     def __init__(
         self,
         agent_name: str,
-        host: str = "127.0.0.1",
         timeout_s: float = 10.0,
         ucx_config: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(agent_name, host, timeout_s)
-        # Peers are reached through the worker address in the metadata; `host` is unused.
+        super().__init__(agent_name, timeout_s)
+        # Peers are reached through the worker address in the metadata.
         self._shared = Shared()
         config = {**DEFAULT_UCX_CONFIG, **(ucx_config or {})}
         if not tls_reaches_device(config["TLS"]):
