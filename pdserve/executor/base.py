@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,6 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.is_failed = False
-        self._failure_callback: Callable[[], None] | None = None
         # With a KV connector every rank's transfer report counts, not just the output rank's.
         self.kv_output_aggregator = (
             KVOutputAggregator(config.parallel_config.world_size)
@@ -116,20 +114,12 @@ class Executor(ABC):
     def max_concurrent_batches(self) -> int:
         return self.config.max_concurrent_batches
 
-    def register_failure_callback(self, callback: Callable[[], None]) -> None:
-        if self.is_failed:
-            callback()
-        else:
-            self._failure_callback = callback
-
     def _worker_died(self, worker: str) -> None:
-        """A worker died outside shutdown: every later call fails, the other workers are
-        released, then the failure callback runs."""
+        """A worker died outside shutdown: every later call fails (the engine's next step ends
+        it), and the other workers are released."""
         logger.error("Worker %s died unexpectedly, shutting down executor.", worker)
         self.is_failed = True
         self.shutdown()
-        if self._failure_callback is not None:
-            self._failure_callback()
 
     @abstractmethod
     def shutdown(self) -> None:

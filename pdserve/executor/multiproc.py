@@ -3,8 +3,8 @@
 Each call is broadcast to every worker through one MessageQueue; each worker answers on its own.
 A response thread resolves futures strictly in submission order; a blocking call sent while no
 other call is unresolved reads its replies itself (a hand-over between threads costs more than
-the step's messages). A monitor thread notices a dead worker, marks the executor failed, shuts
-it down and calls the failure callback once (both threads: executor/worker_calls.py). See
+the step's messages). A monitor thread notices a dead worker, marks the executor failed and shuts
+it down (both threads: executor/worker_calls.py). See
 docs/executors.md.
 """
 
