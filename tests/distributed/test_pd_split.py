@@ -26,14 +26,13 @@ PROMPTS = [
 CASES = [
     # Slow as the rest: a split is token-exact against HF in the default suite through
     # test_first_token.py (both runners), test_proxy.py (pdserve launch), test_proxy_paths.py.
+    # Every pair of transport, TP layout and runner once (all-pairs).
     pytest.param("nixl", 1, 1, "1", id="nixl-tp1-tp1-v2", marks=pytest.mark.slow),
     pytest.param("ucx", 1, 1, "0", id="ucx-tp1-tp1-v1", marks=pytest.mark.slow),
     pytest.param("nixl", 1, 2, "1", id="nixl-tp1-tp2-v2", marks=pytest.mark.slow),
     pytest.param("nixl", 2, 1, "0", id="nixl-tp2-tp1-v1", marks=pytest.mark.slow),
     pytest.param("ucx", 1, 2, "0", id="ucx-tp1-tp2-v1", marks=pytest.mark.slow),
     pytest.param("ucx", 2, 1, "1", id="ucx-tp2-tp1-v2", marks=pytest.mark.slow),
-    pytest.param("nixl", 1, 1, "0", id="nixl-tp1-tp1-v1", marks=pytest.mark.slow),
-    pytest.param("ucx", 1, 1, "1", id="ucx-tp1-tp1-v2", marks=pytest.mark.slow),
 ]
 
 
