@@ -1,5 +1,5 @@
-"""Fixtures the fault suites share: HF's greedy tokens of any prompt, and a thread pool for
-requests that run beside the test."""
+"""Fixtures the distributed tests share: HF's greedy tokens of any prompt, a thread pool for
+requests that run beside the test, and a split's instances for the modules that only read them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils.pd import start_instance
+from tests.utils.server import RemoteServer
 from tests.utils.tiny_models import hf_greedy
 
 
@@ -31,3 +33,17 @@ def reference(tiny_model: Callable[[str], str]) -> Callable[[list[int], int], li
 def background() -> Iterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(4) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def pd_instances(tiny_model: Callable[[str], str]) -> Iterator[dict[str, RemoteServer]]:
+    """A prefill, a decode and a plain instance of the tiny llama, started once for the modules
+    that share them (test_proxy_paths.py, test_split_params.py): their tests send prompts of
+    their own and read the instances' counters as differences."""
+    model = tiny_model("llama")
+    with (
+        start_instance(model, "kv_producer") as p,
+        start_instance(model, "kv_consumer") as d,
+        RemoteServer(["serve", "--model", model, "--dtype", "float32"]) as plain,
+    ):
+        yield {"prefill": p, "decode": d, "plain": plain}

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pdserve.utils import get_open_port
-from tests.utils.pd import greedy_body, start_instance
+from tests.utils.pd import greedy_body
 from tests.utils.server import RemoteServer
 from tests.utils.tiny_models import hf_greedy
 
@@ -36,13 +36,8 @@ def reference(model: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def servers(model: str) -> Iterator[dict[str, RemoteServer]]:
-    with (
-        start_instance(model, "kv_producer") as p,
-        start_instance(model, "kv_consumer") as d,
-        RemoteServer(["serve", "--model", model, "--dtype", "float32"]) as plain,
-    ):
-        yield {"prefill": p, "decode": d, "plain": plain}
+def servers(pd_instances: dict[str, RemoteServer]) -> dict[str, RemoteServer]:
+    return pd_instances
 
 
 @pytest.fixture(scope="module")

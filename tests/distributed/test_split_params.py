@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.utils.pd import greedy_body, split_proxy, start_instance
+from tests.utils.pd import greedy_body, split_proxy
 from tests.utils.server import RemoteServer
 
 BLOCK = 16
@@ -32,15 +32,11 @@ def _prompt(salt: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: Callable[[str], str]) -> Iterator[dict[str, Any]]:
-    model = tiny_model("llama")
-    with (
-        start_instance(model, "kv_producer") as p,
-        start_instance(model, "kv_consumer") as d,
-        RemoteServer(["serve", "--model", model, "--dtype", "float32"]) as plain,
-        split_proxy(p, d) as proxy,
-    ):
-        yield {"model": model, "prefill": p, "decode": d, "plain": plain, "proxy": proxy}
+def servers(
+    tiny_model: Callable[[str], str], pd_instances: dict[str, RemoteServer]
+) -> Iterator[dict[str, Any]]:
+    with split_proxy(pd_instances["prefill"], pd_instances["decode"]) as proxy:
+        yield {"model": tiny_model("llama"), **pd_instances, "proxy": proxy}
 
 
 def _post(server: RemoteServer, body: dict[str, Any]) -> tuple[httpx.Headers, list[dict]]:
