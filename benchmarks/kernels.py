@@ -89,7 +89,7 @@ def _decode_metadata(batch: int, context: int, block_size: int) -> Any:
 
 def attention_cases(small: bool) -> list[Case]:
     from pdserve.kernels.attention import paged_attention_torch
-    from pdserve.kernels.attention_triton import paged_attention_triton
+    from pdserve.kernels.triton.attention import paged_attention_triton
 
     batch, context, heads, kv_heads, dim, bs = (
         (2, 32, 4, 1, 32, 16) if small else (64, 4096, 64, 8, 128, 16)
@@ -169,7 +169,7 @@ def sampling_cases(small: bool) -> list[Case]:
         sample_tokens_torch,
         topk_logprobs_torch,
     )
-    from pdserve.kernels.sampling_triton import sample_tokens_triton, topk_logprobs_triton
+    from pdserve.kernels.triton.sampling import sample_tokens_triton, topk_logprobs_triton
 
     rows, vocab = (3, 1000) if small else (64, 128256)
     logits = torch.randn(rows, vocab, device=DEVICE)

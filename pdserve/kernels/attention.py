@@ -2,7 +2,7 @@
 
 A layer's KV cache is a view of shape [num_blocks, 2, block_size, num_kv_heads, head_dim]
 (index 0 keys, 1 values) into the engine's block-major cache, so one block of every layer
-is contiguous in memory (see docs/kv_cache.md). The Triton kernel is in attention_triton.py;
+is contiguous in memory (see docs/kv_cache.md). The Triton kernel is in triton/attention.py;
 writes into the cache are in kv_cache.py.
 """
 
@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import backend, native
+from pdserve.kernels import backend
+from pdserve.kernels.cpu import native
 from pdserve.utils import cdiv
 
 if backend.HAS_TRITON:
-    from pdserve.kernels.attention_triton import paged_attention_triton
+    from pdserve.kernels.triton.attention import paged_attention_triton
 
 
 @dataclass

@@ -24,5 +24,5 @@ def use_triton(device: torch.device) -> bool:
 
 
 def use_cpu_kernels(device: torch.device) -> bool:
-    """The C++ kernels (kernels/native.py) for CPU tensors, unless PDSERVE_KERNEL_BACKEND=torch."""
+    """The C++ kernels (kernels/cpu/native.py) for CPU tensors, unless PDSERVE_KERNEL_BACKEND=torch."""
     return device.type == "cpu" and envs.kernel_backend() != "torch"

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels import backend, launch_configs
+from pdserve.kernels import backend
+from pdserve.kernels.triton import launch_configs
 
 if backend.HAS_TRITON:
     import triton

@@ -11,7 +11,8 @@ import ctypes
 
 import torch
 
-from pdserve.kernels import backend, native
+from pdserve.kernels import backend
+from pdserve.kernels.cpu import native
 
 if backend.HAS_TRITON:
     import triton

@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve import envs
-from pdserve.kernels import backend, native
+from pdserve.kernels import backend
+from pdserve.kernels.cpu import native
 from pdserve.utils import cdiv
 
 if backend.HAS_TRITON:
-    from pdserve.kernels.matmul_triton import matmul_triton
+    from pdserve.kernels.triton.matmul import matmul_triton
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def linear(
 ) -> torch.Tensor:
     """x W^T + b in the weight's dtype, or in `out_dtype` (float32 for logits: the kernel's
     float32 sums, not rounded to bf16 first). On CUDA, cuBLAS; under PDSERVE_BATCH_INVARIANT the
-    Triton matmul of matmul_triton.py, whose rows do not depend on the batch."""
+    Triton matmul of triton/matmul.py, whose rows do not depend on the batch."""
     out_dtype = out_dtype or weight.dtype
     if packed is not None and x.numel():
         return _packed_linear(x, packed, bias, out_dtype)

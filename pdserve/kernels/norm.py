@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import backend, elementwise_cpu, launch_configs
+from pdserve.kernels import backend
+from pdserve.kernels.cpu import elementwise as elementwise_cpu
+from pdserve.kernels.triton import launch_configs
 
 if backend.HAS_TRITON:
     import triton

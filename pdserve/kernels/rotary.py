@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import backend, elementwise_cpu
+from pdserve.kernels import backend
+from pdserve.kernels.cpu import elementwise as elementwise_cpu
 
 if backend.HAS_TRITON:
     import triton

@@ -1,4 +1,4 @@
-"""Sampling: the inputs, the torch reference and the dispatch (Triton kernels: sampling_triton.py).
+"""Sampling: the inputs, the torch reference and the dispatch (Triton kernels: triton/sampling.py).
 
 vLLM's processing order: penalties; greedy rows take the argmax; random rows: temperature ->
 min_p -> top-k -> top-p -> a race. The torch race is `argmax(probs / q)`, `q ~ Exp(1)`; the
@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.kernels import backend, native
+from pdserve.kernels import backend
+from pdserve.kernels.cpu import native
 from pdserve.sampling_params import _GREEDY_EPS
 
 if backend.HAS_TRITON:
-    from pdserve.kernels.sampling_triton import sample_tokens_triton, topk_logprobs_triton
+    from pdserve.kernels.triton.sampling import sample_tokens_triton, topk_logprobs_triton
 
 _MASK64 = (1 << 64) - 1
 

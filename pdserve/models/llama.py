@@ -23,8 +23,8 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from pdserve.kernels.attention import AttentionMetadata, rope_attention_cpu
-from pdserve.kernels.decoder_cpu import DecoderStack
-from pdserve.kernels.norm_linear_cpu import norm_linear, norm_mlp
+from pdserve.kernels.cpu.decoder_stack import DecoderStack
+from pdserve.kernels.cpu.norm_linear import norm_linear, norm_mlp
 from pdserve.models.layers.activation import SiluAndMul, check_gated_act
 from pdserve.models.layers.attention import Attention
 from pdserve.models.layers.layernorm import RMSNorm

@@ -1,4 +1,4 @@
-"""Which Llama stages the native decoder stack (kernels/decoder_cpu.py) serves, and their
+"""Which Llama stages the native decoder stack (kernels/cpu/decoder_stack.py) serves, and their
 weights gathered for it: plain Llama layers (Llama, Qwen2, Mistral) with bf16-packed projections on
 one TP rank, one RMSNorm epsilon throughout. Q/k norms (Qwen3), MoE MLPs and TP > 1 run their
 layers one by one."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.kernels.decoder_cpu import DecoderStack, LayerWeights
+from pdserve.kernels.cpu.decoder_stack import DecoderStack, LayerWeights
 from pdserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
 

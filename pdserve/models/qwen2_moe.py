@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pdserve.kernels.elementwise_cpu import sigmoid_mul
+from pdserve.kernels.cpu.elementwise import sigmoid_mul
 from pdserve.models.layers.fused_moe import FusedMoE
 from pdserve.models.layers.linear import ReplicatedLinear
 from pdserve.models.llama import LlamaForCausalLM, LlamaMLP

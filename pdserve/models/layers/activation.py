@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import elementwise_cpu
+from pdserve.kernels.cpu import elementwise as elementwise_cpu
 from pdserve.registry import Registry
 
 

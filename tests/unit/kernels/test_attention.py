@@ -11,8 +11,8 @@ import torch
 
 from pdserve.kernels import attention
 from pdserve.kernels.attention import AttentionMetadata, paged_attention, paged_attention_torch
-from pdserve.kernels.attention_triton import num_splits_heuristic, paged_attention_triton
 from pdserve.kernels.kv_cache import write_kv_cache_torch
+from pdserve.kernels.triton.attention import num_splits_heuristic, paged_attention_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GARBAGE = 1e4

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels import attention, native
+from pdserve.kernels import attention
 from pdserve.kernels.attention import (
     paged_attention,
     paged_attention_cpu,
     paged_attention_torch,
     rope_attention_cpu,
 )
+from pdserve.kernels.cpu import native
 from pdserve.kernels.kv_cache import write_kv_cache
 from pdserve.kernels.rotary import rotary_embedding
 from pdserve.models.layers.rotary_embedding import get_rope
@@ -95,7 +96,7 @@ def test_no_compiler_falls_back_to_the_reference(
     attention._cpu_kernel.cache_clear()
     try:
         query, kv_cache, md = _batch(MIXED)
-        with caplog.at_level(logging.WARNING, logger="pdserve.kernels.native"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.kernels.cpu.native"):
             first = paged_attention(query, kv_cache, md, 0.5)
             paged_attention(query, kv_cache, md, 0.5)
         torch.testing.assert_close(first, paged_attention_torch(query, kv_cache, md, 0.5))

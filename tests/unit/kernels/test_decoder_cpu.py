@@ -1,4 +1,4 @@
-"""The native decoder stack (kernels/decoder_cpu.py): a model's layers in one call give the bits
+"""The native decoder stack (kernels/cpu/decoder_stack.py): a model's layers in one call give the bits
 of its layers run one by one (logits and the cache they leave), for the models it takes; the
 others, and the batches it does not take, run the layers one by one."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels import native
+from pdserve.kernels.cpu import native
 from pdserve.kernels.linear import pack_linear_weights
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_source
 from tests.utils.paged_batch import make_kv_cache, run_step

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import elementwise_cpu, native
+from pdserve.kernels.cpu import elementwise as elementwise_cpu
+from pdserve.kernels.cpu import native
 from pdserve.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from pdserve.kernels.rotary import rotary_embedding_torch
 

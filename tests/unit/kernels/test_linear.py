@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels import native
+from pdserve.kernels.cpu import native
 from pdserve.kernels.linear import can_pack, linear, pack_linear_weights, pack_weight
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_source
 from tests.utils.paged_batch import make_kv_cache, run_step

@@ -1,4 +1,4 @@
-"""The batch-invariant Triton matmul (kernels/matmul_triton.py, PDSERVE_BATCH_INVARIANT on CUDA):
+"""The batch-invariant Triton matmul (kernels/triton/matmul.py, PDSERVE_BATCH_INVARIANT on CUDA):
 its torch reference's sums at every tile edge, with bias and float32 logits; a row's bits the
 same whatever the rows around it and in either row tile; linear()'s CUDA branch.
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.kernels.linear import linear
-from pdserve.kernels.matmul_triton import matmul_torch, matmul_triton
+from pdserve.kernels.triton.matmul import matmul_torch, matmul_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {

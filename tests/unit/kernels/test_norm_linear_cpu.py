@@ -1,4 +1,4 @@
-"""The fused norm + q/k/v and norm + gated MLP calls (kernels/norm_linear_cpu.py): the same bits
+"""The fused norm + q/k/v and norm + gated MLP calls (kernels/cpu/norm_linear.py): the same bits
 as their steps run one by one, and the steps one by one wherever they do not apply."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import native
+from pdserve.kernels.cpu import native
+from pdserve.kernels.cpu.norm_linear import norm_linear, norm_mlp
 from pdserve.kernels.linear import pack_linear_weights
-from pdserve.kernels.norm_linear_cpu import norm_linear, norm_mlp
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.llama import LlamaMLP
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.kernels.attention import AttentionMetadata, paged_attention_torch
-from pdserve.kernels.attention_triton import paged_attention_triton
+from pdserve.kernels.triton.attention import paged_attention_triton
 from pdserve.runners.inputs import StepInputs
 from pdserve.runners.v2.cudagraph import StaticInputs, batch_descriptors, select_descriptor
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.kernels.sampling import process_logits_torch, topk_logprobs_torch
-from pdserve.kernels.sampling_triton import (
+from pdserve.kernels.triton.sampling import (
     process_logits_triton,
     sample_tokens_triton,
     topk_logprobs_triton,

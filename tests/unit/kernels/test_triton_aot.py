@@ -1,5 +1,5 @@
 """Every Triton kernel compiles for sm_80 and sm_90, in every configuration the engine launches
-(kernels/launch_configs.py), with Triton's real compiler and no GPU (kernels/aot.py). The
+(kernels/triton/launch_configs.py), with Triton's real compiler and no GPU (kernels/triton/aot.py). The
 default suite compiles every kernel and variant for two model shapes in bf16 (--quick,
 about two minutes on a cold cache); the slow stage compiles all of them (twelve CPU-minutes cold).
 
@@ -36,7 +36,7 @@ def _summary(problems: list[str]) -> str:
 def _compile(tmp_path: Path, *flags: str) -> None:
     report = tmp_path / "aot.json"
     env = {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED}
-    cmd = [sys.executable, "-m", "pdserve.kernels.aot", "--jobs", "2", "--json", str(report)]
+    cmd = [sys.executable, "-m", "pdserve.kernels.triton.aot", "--jobs", "2", "--json", str(report)]
     cmd += flags
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert report.exists(), f"no report (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"

@@ -1,4 +1,4 @@
-// An RMSNorm and the matmuls after it in one call (kernels/norm_linear_cpu.py), bf16 on AMX or
+// An RMSNorm and the matmuls after it in one call (kernels/cpu/norm_linear.py), bf16 on AMX or
 // AVX512-BF16: a layer's input norm and q/k/v, its post-attention norm and gated MLP. Each step
 // runs the same code as its own kernel (elementwise.h, packed_linear.h), so the bits are the
 // steps'. Shared by linear_cpu.cpp and decoder_cpu.cpp.

@@ -1,6 +1,6 @@
 // Greedy sampling on CPU: the first maximum of each row of logits, read in their own dtype (a
 // float32 copy of a [batch, vocab] bf16 tensor costs more than the search itself).
-// Built and loaded by pdserve/kernels/native.py; rows split over torch's OpenMP threads.
+// Built and loaded by pdserve/kernels/cpu/native.py; rows split over torch's OpenMP threads.
 //
 // Values are compared as integers whose order is the floats' order (sign and magnitude made a
 // two's complement, -0 and +0 one key): exact under fast math, and a positive NaN ranks above

@@ -1,11 +1,11 @@
 """What the engine launches on a GPU: the numbers behind the Triton launchers' constexpr choices,
-and the configurations that kernels/aot.py compiles ahead of time for every GPU target.
+and the configurations that kernels/triton/aot.py compiles ahead of time for every GPU target.
 
 A launcher derives each constexpr from the shapes it is given and the numbers here; a
 configuration below is such a shape. Integer arguments that vary with the batch (request, row
 and split counts) or with max_model_len (the state and block tables' widths) are marked
 `do_not_specialize` on their kernels, so that one binary serves every batch of a configuration
-(kernels/aot.py checks it) and this list stays finite.
+(kernels/triton/aot.py checks it) and this list stays finite.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ATTENTION_NUM_STAGES = 3
 # Split-K: at most this many KV splits per (query block, kv head).
 MAX_SPLITS = 32
 # Under PDSERVE_BATCH_INVARIANT every query's keys are split at this many tokens, so that its
-# reduction order follows its own sequence length alone (attention_triton.py). Long enough that
+# reduction order follows its own sequence length alone (triton/attention.py). Long enough that
 # a split's partial write is small next to its KV reads; MAX_SPLITS of them (16k tokens) still
 # run in parallel.
 BATCH_INVARIANT_SPLIT = 512

@@ -12,7 +12,8 @@ import functools
 
 import torch
 
-from pdserve.kernels import backend, native
+from pdserve.kernels import backend
+from pdserve.kernels.cpu import native
 from pdserve.kernels.linear import BLOCK_K, PackedWeight
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

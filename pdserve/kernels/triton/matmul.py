@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdserve.kernels import launch_configs
+from pdserve.kernels.triton import launch_configs
 
 
 # The row count is not specialized: one binary serves every batch.

@@ -8,7 +8,7 @@ the ptxas of the Triton wheel) instead of launching it. The binaries land in Tri
 (PDSERVE_CACHE_DIR/triton unless --cache-dir), keyed by the kernel's source, its
 specialization, the target and the compiler, so a rerun compiles only what changed.
 
-    python -m pdserve.kernels.aot [--arch 80 90] [--jobs 2] [--quick] [--cache-dir DIR]
+    python -m pdserve.kernels.triton.aot [--arch 80 90] [--jobs 2] [--quick] [--cache-dir DIR]
         [--json REPORT]
 
 --quick compiles the default suite's share (launch_configs.QUICK_*): every kernel and variant
@@ -39,16 +39,16 @@ from triton.runtime.jit import JITFunction
 
 import pdserve.kernels
 from pdserve import envs
-from pdserve.kernels import launch_configs as lc
 from pdserve.kernels.attention import AttentionMetadata
-from pdserve.kernels.attention_triton import paged_attention_triton
 from pdserve.kernels.input_prep import prepare_inputs_triton
 from pdserve.kernels.kv_cache import write_kv_cache_triton
-from pdserve.kernels.matmul_triton import matmul_triton
 from pdserve.kernels.norm import fused_add_rms_norm_triton, rms_norm_triton
 from pdserve.kernels.rotary import rotary_embedding_triton
 from pdserve.kernels.sampling import SamplingInputs
-from pdserve.kernels.sampling_triton import sample_tokens_triton, topk_logprobs_triton
+from pdserve.kernels.triton import launch_configs as lc
+from pdserve.kernels.triton.attention import paged_attention_triton
+from pdserve.kernels.triton.matmul import matmul_triton
+from pdserve.kernels.triton.sampling import sample_tokens_triton, topk_logprobs_triton
 
 ARCHS = (80, 90)
 # Every configuration runs with each (batch size, max_model_len): the JIT specializes integer
@@ -260,10 +260,14 @@ _LAUNCHERS: dict[type, Callable[[Any, int, int], None]] = {
 def kernels() -> list[str]:
     """Every Triton kernel of pdserve/kernels/ (helpers compile inside the kernels calling them)."""
     names = []
-    for info in pkgutil.iter_modules(pdserve.kernels.__path__):
-        module = importlib.import_module(f"pdserve.kernels.{info.name}")
+    for info in pkgutil.walk_packages(pdserve.kernels.__path__, "pdserve.kernels."):
+        module = importlib.import_module(info.name)
         for attr, value in vars(module).items():
-            if isinstance(value, JITFunction) and attr.endswith("_kernel"):
+            if (
+                isinstance(value, JITFunction)
+                and attr.endswith("_kernel")
+                and value.fn.__module__ == module.__name__  # not one imported to launch it
+            ):
                 names.append(f"{module.__name__}.{attr}")
     return sorted(names)
 

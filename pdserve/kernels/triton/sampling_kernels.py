@@ -3,17 +3,17 @@
 Every kernel runs on tiles of BLOCK_B rows x BLOCK_V logits and loops over the vocabulary, so
 a large vocabulary is one row per program and a tiny one packs many rows into a program.
 
-1. `_penalties_temperature_kernel`: one pass, raw logits (any dtype) -> float32 copy with the
+1. `penalties_temperature_kernel`: one pass, raw logits (any dtype) -> float32 copy with the
    penalties applied and divided by the temperature.
-2. `_truncate_kernel`: min_p, top-k and top-p without a sort. A row's top-k cutoff is its k-th
+2. `truncate_kernel`: min_p, top-k and top-p without a sort. A row's top-k cutoff is its k-th
    largest logit, found by bisection over the logits' bit patterns (order-preserving int32
    keys: 32 counting passes, exact); the top-p cutoff the largest logit whose tokens at or above
    it hold p of the (top-k) mass, found the same way summing exp instead of counting. Tokens
    below the cutoff become -inf. Costlier in passes than a sort, but no [B, V] index tensors.
-3. `_gumbel_sample_kernel`: argmax(logits + Gumbel noise), no softmax materialised; greedy rows
+3. `gumbel_sample_kernel`: argmax(logits + Gumbel noise), no softmax materialised; greedy rows
    take the plain argmax. Philox noise keyed by (seed, output position) for a seeded row and by
    (a per-step seed from torch's default generator, row) for the others.
-4. `_logprobs_kernel`: log-sum-exp, the sampled token's rank and the logprobs of the ids that
+4. `logprobs_kernel`: log-sum-exp, the sampled token's rank and the logprobs of the ids that
    torch.topk chose from the raw logits.
 """
 
@@ -21,24 +21,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 import triton
 import triton.language as tl
 
-from pdserve import envs
-from pdserve.kernels.launch_configs import SAMPLING_TILE
 from pdserve.sampling_params import _GREEDY_EPS
 
 if TYPE_CHECKING:
-    from pdserve.kernels.sampling import SamplingInputs
+    pass
 
 # Output counts share an int32 with a prompt flag above them (max_model_len stays below it).
-_PROMPT_FLAG = 1 << 24
-_COUNT_MASK = tl.constexpr(_PROMPT_FLAG - 1)
-_SEED_MASK = (1 << 63) - 1
+PROMPT_FLAG = 1 << 24
+_COUNT_MASK = tl.constexpr(PROMPT_FLAG - 1)
+SEED_MASK = (1 << 63) - 1
 # Unseeded rows key their noise by (step seed, row); setting the counter's high word keeps those
 # streams apart from the seeded rows' (seed, position) ones.
-_UNSEEDED_STREAM = 1 << 32
+UNSEEDED_STREAM = 1 << 32
 _EPS = tl.constexpr(_GREEDY_EPS)
 
 
@@ -57,7 +54,7 @@ def _unkey(key):
 
 # Row counts are not specialized (== 1, multiple of 16): one binary serves every batch.
 @triton.jit(do_not_specialize=["num_rows"])
-def _penalties_temperature_kernel(
+def penalties_temperature_kernel(
     out_ptr,
     logits_ptr,
     logits_stride,
@@ -138,7 +135,7 @@ def _mass_at_least(
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _truncate_kernel(
+def truncate_kernel(
     logits_ptr,
     top_k_ptr,
     top_p_ptr,
@@ -204,7 +201,7 @@ def _truncate_kernel(
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _gumbel_sample_kernel(
+def gumbel_sample_kernel(
     out_ptr,
     logits_ptr,
     logits_stride,
@@ -252,7 +249,7 @@ def _gumbel_sample_kernel(
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_ids"])
-def _logprobs_kernel(
+def logprobs_kernel(
     values_ptr,
     ranks_ptr,
     logits_ptr,
@@ -289,152 +286,3 @@ def _logprobs_kernel(
     x = tl.load(row_ptr + ids, mask=km, other=0.0).to(tl.float32)
     tl.store(values_ptr + rows[:, None] * num_ids + k[None, :], x - lse[:, None], mask=km)
     tl.store(ranks_ptr + rows, rank.to(tl.int64), mask=row_ok)
-
-
-def _tiles(num_rows: int, vocab_size: int) -> tuple[int, int, tuple[int]]:
-    """(BLOCK_B, BLOCK_V, grid) for a [num_rows, vocab_size] pass. A vocabulary under
-    SAMPLING_TILE / 2 packs rows by the batch's size, which changes the layout a row's sums are
-    reduced over: under PDSERVE_BATCH_INVARIANT each row has a program of its own."""
-    block_v = min(triton.next_power_of_2(vocab_size), SAMPLING_TILE)
-    block_b = min(triton.next_power_of_2(num_rows), SAMPLING_TILE // block_v)
-    if envs.batch_invariant():
-        block_b = 1
-    return block_b, block_v, (triton.cdiv(num_rows, block_b),)
-
-
-def process_logits_triton(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
-    """As process_logits_torch: float32 logits with penalties, then for random rows temperature,
-    min_p and top-k/top-p masks; `logits` itself (any dtype) when nothing applies."""
-    num_rows, vocab_size = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    device = logits.device
-    rows = inputs.penalized_rows() if inputs.repetition_penalties is not None else []
-    if not rows and inputs.all_greedy:
-        return logits
-    block_b, block_v, grid = _tiles(num_rows, vocab_size)
-    out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
-    # Placeholders where the kernel reads nothing.
-    counts = count_row = out
-    penalties = (out, out, out)
-    if rows:
-        counts, count_row = _seen_counts(inputs, rows, num_rows, vocab_size, device)
-        penalties = (
-            inputs.repetition_penalties,
-            inputs.frequency_penalties,
-            inputs.presence_penalties,
-        )
-    _penalties_temperature_kernel[grid](
-        out,
-        logits,
-        logits.stride(0),
-        inputs.temperature,
-        counts,
-        count_row,
-        *penalties,
-        num_rows,
-        vocab_size,
-        HAS_PENALTIES=bool(rows),
-        APPLY_TEMPERATURE=not inputs.all_greedy,
-        BLOCK_B=block_b,
-        BLOCK_V=block_v,
-    )
-    knobs = (inputs.top_k, inputs.top_p, inputs.min_p)
-    if not inputs.all_greedy and any(t is not None for t in knobs):
-        _truncate_kernel[grid](
-            out,
-            *(out if t is None else t for t in knobs),
-            num_rows,
-            vocab_size,
-            HAS_TOP_K=inputs.top_k is not None,
-            HAS_TOP_P=inputs.top_p is not None,
-            HAS_MIN_P=inputs.min_p is not None,
-            BLOCK_B=block_b,
-            BLOCK_V=block_v,
-        )
-    return out
-
-
-def _seen_counts(
-    inputs: SamplingInputs, rows: list[int], num_rows: int, vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """counts [len(rows), V] int32 for the penalized rows only (output count | prompt flag),
-    and count_row [B]: each row's line in counts, -1 for rows without penalties."""
-    (prompt_i, prompt_tok), (out_i, out_tok) = inputs.seen_tokens(rows, device)
-    assert max(map(len, inputs.output_token_ids)) < _PROMPT_FLAG
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.int32, device=device)
-    counts[prompt_i, prompt_tok] = _PROMPT_FLAG  # before the counts: duplicates are harmless
-    ones = torch.ones_like(out_tok, dtype=torch.int32)
-    counts.index_put_((out_i, out_tok), ones, accumulate=True)
-    count_row = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
-    count_row[torch.tensor(rows, device=device)] = torch.arange(
-        len(rows), dtype=torch.int32, device=device
-    )
-    return counts, count_row
-
-
-def _row_seeds(inputs: SamplingInputs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Philox seed and counter per row: (seed, output position) for a seeded row, else (this
-    step's seed from torch's default generator, row). The row's noise depends on these alone."""
-    step_seed = int(torch.randint(0, _SEED_MASK, ()).item())
-    seeds, offsets = [], []
-    for row, (seed, position) in enumerate(zip(inputs.seeds, inputs.output_positions)):
-        seeds.append(step_seed if seed is None else seed & _SEED_MASK)
-        offsets.append(_UNSEEDED_STREAM | row if seed is None else position)
-    return (
-        torch.tensor(seeds, dtype=torch.int64, device=device),
-        torch.tensor(offsets, dtype=torch.int64, device=device),
-    )
-
-
-def sample_tokens_triton(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
-    processed = process_logits_triton(logits, inputs)
-    num_rows, vocab_size = processed.shape
-    block_b, block_v, grid = _tiles(num_rows, vocab_size)
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    seeds = offsets = out  # placeholders: all-greedy batches draw no noise
-    if not inputs.all_greedy:
-        seeds, offsets = _row_seeds(inputs, logits.device)
-    _gumbel_sample_kernel[grid](
-        out,
-        processed,
-        processed.stride(0),
-        inputs.temperature,
-        seeds,
-        offsets,
-        num_rows,
-        vocab_size,
-        ALL_GREEDY=inputs.all_greedy,
-        BLOCK_B=block_b,
-        BLOCK_V=block_v,
-    )
-    return out
-
-
-def topk_logprobs_triton(
-    logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As topk_logprobs_torch. As vLLM, torch.topk picks the ids from the raw logits; the
-    kernel computes logprobs for those ids only, never a [B, V] log_softmax."""
-    num_rows, vocab_size = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    top_ids = logits.topk(min(num_logprobs, vocab_size), dim=-1).indices
-    ids = torch.cat([sampled[:, None], top_ids], dim=1).contiguous()
-    values = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
-    ranks = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    block_b, block_v, grid = _tiles(num_rows, vocab_size)
-    _logprobs_kernel[grid](
-        values,
-        ranks,
-        logits,
-        logits.stride(0),
-        ids,
-        num_rows,
-        vocab_size,
-        ids.shape[1],
-        BLOCK_B=block_b,
-        BLOCK_V=block_v,
-        BLOCK_K=triton.next_power_of_2(ids.shape[1]),
-    )
-    return ids, values, ranks

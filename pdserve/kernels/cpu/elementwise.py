@@ -11,7 +11,8 @@ import ctypes
 
 import torch
 
-from pdserve.kernels import backend, native
+from pdserve.kernels import backend
+from pdserve.kernels.cpu import native
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

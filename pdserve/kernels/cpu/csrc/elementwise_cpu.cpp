@@ -3,7 +3,7 @@
 // embedding, SiLU-and-mul, a sigmoid gate. They round where the reference rounds (after every operation in
 // the activation dtype), so they differ from it only in the order of the variance sum and in
 // the last bit of SiLU's exp.
-// Built and loaded by pdserve/kernels/native.py; rows split over torch's OpenMP threads.
+// Built and loaded by pdserve/kernels/cpu/native.py; rows split over torch's OpenMP threads.
 #include <cmath>
 #include <cstdint>
 #include <cstring>

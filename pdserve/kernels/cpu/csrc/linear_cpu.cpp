@@ -1,6 +1,6 @@
 // The kernels of packed_linear.h and norm_linear.h, one call each: a matmul (bf16 or float32, the
 // output in the weight's dtype or in float32), an RMSNorm and the matmul after it, a decoder
-// layer's norm and gated MLP. Built and loaded by pdserve/kernels/native.py.
+// layer's norm and gated MLP. Built and loaded by pdserve/kernels/cpu/native.py.
 #include <cstdint>
 
 #include "norm_linear.h"

@@ -3,7 +3,7 @@
 // code as its own kernel (packed_linear.h, paged_attention.h), so the bits are the per-layer
 // path's. In the engine the Python around each kernel call costs more than the kernel (the
 // weights streaming past evict the interpreter's state); this leaves one call per step.
-// Built and loaded by pdserve/kernels/native.py; without AVX512-BF16 nothing but
+// Built and loaded by pdserve/kernels/cpu/native.py; without AVX512-BF16 nothing but
 // pdserve_decoder_layers_available is built.
 #include <cstdint>
 #include <cstring>

@@ -1,5 +1,5 @@
 // Paged attention for CPU tensors (paged_attention.h), and a layer's rotary + cache write +
-// attention in one call. Built at run time by pdserve/kernels/native.py with the machine's
+// attention in one call. Built at run time by pdserve/kernels/cpu/native.py with the machine's
 // compiler and called through ctypes: no torch headers, so it builds in about a second.
 #include <cstdint>
 

@@ -1,7 +1,7 @@
 """A Llama decoder stack's step in one call into csrc/decoder_cpu.cpp, in bf16 (AMX or
 AVX512-BF16).
 
-Per layer it runs what the model's per-layer path runs through norm_linear_cpu, the fused
+Per layer it runs what the model's per-layer path runs through cpu/norm_linear.py, the fused
 rotary + attention call and the packed linear: the same C code, so the same bits, without the
 Python between the calls, which in the engine costs more than the kernels it calls (the
 weights streaming past evict the interpreter's state). Decode-sized batches only; the caller
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels import backend, native
+from pdserve.kernels import backend
 from pdserve.kernels.attention import AttentionMetadata, Geometry, as_int32
+from pdserve.kernels.cpu import native
 from pdserve.kernels.linear import BLOCK_K, PackedWeight
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

@@ -1,6 +1,6 @@
 // Writes of one step's keys and values into the paged KV cache on CPU: a copy per token and
 // head, where the torch reference's advanced-index assignment checks, sorts and dispatches.
-// Built and loaded by pdserve/kernels/native.py; tokens split over torch's OpenMP threads.
+// Built and loaded by pdserve/kernels/cpu/native.py; tokens split over torch's OpenMP threads.
 #include <cstdint>
 
 #include "kv_cache.h"

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from pdserve import envs
-from pdserve.kernels import launch_configs
+from pdserve.kernels.triton import launch_configs
 
 if TYPE_CHECKING:
     from pdserve.kernels.attention import AttentionMetadata
