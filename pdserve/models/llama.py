@@ -20,19 +20,12 @@ from pdserve.distributed.parallel_state import (
     IntermediateTensors,
     is_first_stage,
     is_last_stage,
-    tensor_model_parallel_all_reduce,
 )
-from pdserve.kernels.attention import AttentionMetadata, rope_attention_cpu
+from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.cpu.decoder_stack import DecoderStack
-from pdserve.kernels.cpu.norm_linear import norm_linear, norm_mlp
-from pdserve.models.layers.activation import SiluAndMul, check_gated_act
-from pdserve.models.layers.attention import Attention
+from pdserve.models.layers.decoder import DecoderLayer, GatedMLP, SelfAttention, head_dim_of
+from pdserve.models.layers.decoder_stack import build_decoder_stack
 from pdserve.models.layers.layernorm import RMSNorm
-from pdserve.models.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
 from pdserve.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.utils import (
@@ -42,190 +35,6 @@ from pdserve.models.utils import (
     make_layers,
     warn_sliding_window,
 )
-
-
-class LlamaMLP(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        hidden_act: str,
-        bias: bool,
-        params_dtype: torch.dtype,
-    ) -> None:
-        super().__init__()
-        check_gated_act(hidden_act)
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias, params_dtype
-        )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, params_dtype)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-    def forward_after_norm(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x, residual)[0]), residual + x): one native call where it applies."""
-        down = self.down_proj
-        reduce = down.tp_size > 1  # each rank holds a partial sum; the bias counts once
-        fused = norm_mlp(
-            x,
-            residual,
-            norm.weight,
-            norm.variance_epsilon,
-            self.gate_up_proj.packed_weight,
-            self.gate_up_proj.bias,
-            down.packed_weight,
-            None if reduce else down.bias,
-        )
-        if fused is None:
-            x, residual = norm(x, residual)
-            return self(x), residual
-        out, residual = fused
-        if reduce:
-            out = tensor_model_parallel_all_reduce(out)
-            out = out if down.bias is None else out + down.bias
-        return out, residual
-
-
-def _head_dim(hf_config: PretrainedConfig) -> int:
-    return getattr(hf_config, "head_dim", None) or (
-        hf_config.hidden_size // hf_config.num_attention_heads
-    )
-
-
-class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        hf_config: PretrainedConfig,
-        rotary_emb: RotaryEmbedding,
-        qkv_bias: bool,
-        o_bias: bool,
-        qk_norm: bool,
-        params_dtype: torch.dtype,
-    ) -> None:
-        super().__init__()
-        hidden_size = hf_config.hidden_size
-        total_num_heads = hf_config.num_attention_heads
-        total_num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_num_heads
-        self.head_dim = _head_dim(hf_config)
-        self.qkv_proj = QKVParallelLinear(
-            hidden_size, self.head_dim, total_num_heads, total_num_kv_heads, qkv_bias, params_dtype
-        )
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(
-            total_num_heads * self.head_dim, hidden_size, o_bias, params_dtype
-        )
-        eps = hf_config.rms_norm_eps
-        self.q_norm = RMSNorm(self.head_dim, eps, params_dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps, params_dtype) if qk_norm else None
-        self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self._attend(positions, self.qkv_proj(hidden_states), kv_cache, attn_metadata)
-
-    def forward_after_norm(
-        self,
-        norm: RMSNorm,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(positions, norm(x, residual)[0], ...), the residual stream): the norm and q/k/v
-        in one native call where it applies."""
-        qkv = self.qkv_proj
-        fused = norm_linear(
-            x, residual, norm.weight, norm.variance_epsilon, qkv.packed_weight, qkv.bias
-        )
-        if fused is not None:
-            projected, residual = fused
-            return self._attend(positions, projected, kv_cache, attn_metadata), residual
-        if residual is None:
-            residual, x = x, norm(x)
-        else:
-            x, residual = norm(x, residual)
-        return self(positions, x, kv_cache, attn_metadata), residual
-
-    def _attend(
-        self,
-        positions: torch.Tensor,
-        qkv: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        if self.q_norm is None:
-            # Rotary, the cache write and attention in one native call where it applies.
-            out = rope_attention_cpu(
-                qkv,
-                positions,
-                self.rotary_emb.cos_sin_cache,
-                kv_cache,
-                attn_metadata,
-                self.num_heads,
-                self.head_dim,
-                self.attn.scale,
-            )
-            if out is not None:
-                return self.o_proj(out)
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(out.flatten(1))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        self_attn: nn.Module,
-        mlp: nn.Module,
-        hf_config: PretrainedConfig,
-        params_dtype: torch.dtype,
-    ) -> None:
-        super().__init__()
-        self.self_attn = self_attn
-        self.mlp = mlp
-        eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the MLP's output, the residual stream it adds to), left unsummed (vLLM's layout):
-        the next norm adds them, so each residual add is fused into the norm that follows it."""
-        hidden_states, residual = self.self_attn.forward_after_norm(
-            self.input_layernorm, positions, hidden_states, residual, kv_cache, attn_metadata
-        )
-        if isinstance(self.mlp, LlamaMLP):
-            return self.mlp.forward_after_norm(
-                self.post_attention_layernorm, hidden_states, residual
-            )
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -249,14 +58,14 @@ class LlamaModel(nn.Module):
             self.embed_tokens = PPMissingLayer()
         # One table for all layers, as HF's model-level rotary_emb.
         self.rotary_emb = get_rope(
-            _head_dim(hf_config),
+            head_dim_of(hf_config),
             get_rope_parameters(hf_config),
             getattr(hf_config, "max_position_embeddings", None) or 2048,
             params_dtype,
         )
         self.start_layer, self.end_layer, self.layers = make_layers(
             hf_config.num_hidden_layers,
-            lambda i: LlamaDecoderLayer(
+            lambda i: DecoderLayer(
                 make_attention(self.rotary_emb), make_mlp(i), hf_config, params_dtype
             ),
         )
@@ -270,12 +79,9 @@ class LlamaModel(nn.Module):
 
     def _decoder_stack(self) -> DecoderStack | None:
         """This stage's layers as one native call, gathered once at the first forward (after the
-        weights were packed); None where they do not qualify (models/llama_stack.py)."""
+        weights were packed); None where they do not qualify (layers/decoder_stack.py)."""
         if not self._stack_checked:
             self._stack_checked = True
-            # Imported here: llama_stack reads this module's layer classes.
-            from pdserve.models.llama_stack import build_decoder_stack
-
             layers = list(islice(self.layers, self.start_layer, self.end_layer))
             self._stack = build_decoder_stack(layers, self.rotary_emb.cos_sin_cache)
         return self._stack
@@ -348,13 +154,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _make_attention(self, rotary_emb: RotaryEmbedding) -> nn.Module:
         qkv_bias, o_bias = self._attention_biases()
-        return LlamaAttention(
+        return SelfAttention(
             self.config, rotary_emb, qkv_bias, o_bias, self.qk_norm, self.params_dtype
         )
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         cfg = self.config
-        return LlamaMLP(
+        return GatedMLP(
             cfg.hidden_size,
             cfg.intermediate_size,
             cfg.hidden_act,

@@ -7,9 +7,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pdserve.kernels.cpu.elementwise import sigmoid_mul
+from pdserve.models.layers.decoder import GatedMLP
 from pdserve.models.layers.fused_moe import FusedMoE
 from pdserve.models.layers.linear import ReplicatedLinear
-from pdserve.models.llama import LlamaForCausalLM, LlamaMLP
+from pdserve.models.llama import LlamaForCausalLM
 
 
 class Qwen2MoeSparseMoeBlock(nn.Module):
@@ -25,7 +26,7 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
             renormalize=hf_config.norm_topk_prob,
             params_dtype=params_dtype,
         )
-        self.shared_expert = LlamaMLP(
+        self.shared_expert = GatedMLP(
             hidden_size,
             hf_config.shared_expert_intermediate_size,
             hf_config.hidden_act,

@@ -9,8 +9,8 @@ import torch
 from pdserve.kernels.cpu import native
 from pdserve.kernels.cpu.norm_linear import norm_linear, norm_mlp
 from pdserve.kernels.linear import pack_linear_weights
+from pdserve.models.layers.decoder import GatedMLP
 from pdserve.models.layers.layernorm import RMSNorm
-from pdserve.models.llama import LlamaMLP
 
 # Skipped only where the CPU lacks the instruction set or no compiler exists: a kernel that fails
 # to build must fail here, not fall back to torch unseen.
@@ -20,10 +20,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _layer(hidden: int, intermediate: int, bias: bool, seed: int) -> tuple[RMSNorm, LlamaMLP]:
+def _layer(hidden: int, intermediate: int, bias: bool, seed: int) -> tuple[RMSNorm, GatedMLP]:
     gen = torch.Generator().manual_seed(seed)
     norm = RMSNorm(hidden, 1e-5, torch.bfloat16)
-    mlp = LlamaMLP(hidden, intermediate, "silu", bias, torch.bfloat16)
+    mlp = GatedMLP(hidden, intermediate, "silu", bias, torch.bfloat16)
     for p in (*norm.parameters(), *mlp.parameters()):
         p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1 if p.dim() == 1 else 0))
     return norm, mlp
@@ -48,7 +48,7 @@ def test_fused_gives_the_steps_bits(rows: int, bias: bool) -> None:
     assert torch.equal(out, expected)
 
 
-def _fused(norm: RMSNorm, mlp: LlamaMLP, x: torch.Tensor, residual: torch.Tensor):
+def _fused(norm: RMSNorm, mlp: GatedMLP, x: torch.Tensor, residual: torch.Tensor):
     return norm_mlp(
         x,
         residual,

@@ -1,7 +1,7 @@
-"""Which Llama stages the native decoder stack (kernels/cpu/decoder_stack.py) serves, and their
-weights gathered for it: plain Llama layers (Llama, Qwen2, Mistral) with bf16-packed projections on
-one TP rank, one RMSNorm epsilon throughout. Q/k norms (Qwen3), MoE MLPs and TP > 1 run their
-layers one by one."""
+"""Which stages the native decoder stack (kernels/cpu/decoder_stack.py) serves, and their weights
+gathered for it, by what their layers declare: `DecoderLayer`s of a `SelfAttention` without q/k
+norms and a `GatedMLP` (Llama, Qwen2, Mistral), bf16-packed projections on one TP rank, one
+RMSNorm epsilon throughout. Q/k norms (Qwen3), MoE MLPs and TP > 1 run their layers one by one."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import torch
 from torch import nn
 
 from pdserve.kernels.cpu.decoder_stack import DecoderStack, LayerWeights
-from pdserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from pdserve.models.layers.decoder import DecoderLayer, GatedMLP, SelfAttention
 
 
 def _stack_weights(layer: nn.Module) -> LayerWeights | None:
-    """A layer's weights for the native decoder stack; None where it is not plain Llama with
+    """A layer's weights for the native decoder stack; None where it is not an attention without q/k norms and a gated MLP with
     bf16-packed projections on one TP rank."""
-    if not isinstance(layer, LlamaDecoderLayer) or not isinstance(layer.mlp, LlamaMLP):
+    if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, GatedMLP):
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(attn, LlamaAttention) or attn.q_norm is not None or attn.o_proj.tp_size > 1:
+    if not isinstance(attn, SelfAttention) or attn.q_norm is not None or attn.o_proj.tp_size > 1:
         return None
     packed = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
     if any(p.packed_weight is None for p in packed):
