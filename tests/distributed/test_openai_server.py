@@ -508,16 +508,9 @@ def test_health_version_models(server: RemoteServer, model: str) -> None:
 
 
 def test_api_key_and_overload(tiny_model: Callable[[str], str]) -> None:
+    """Also: `serve` takes the model as its positional argument, as `vllm serve` does."""
     with RemoteServer(
-        [
-            "serve",
-            "--model",
-            tiny_model("llama"),
-            "--dtype",
-            "float32",
-            "--max-pending-requests",
-            "1",
-        ],
+        ["serve", tiny_model("llama"), "--dtype", "float32", "--max-pending-requests", "1"],
         api_key="sekrit",
     ) as server:
         assert httpx.get(f"{server.url}/health").status_code == 200
@@ -528,6 +521,7 @@ def test_api_key_and_overload(tiny_model: Callable[[str], str]) -> None:
             server.client(api_key="wrong").models.list()
         client = server.client(api_key="sekrit")
         model = client.models.list().data[0].id
+        assert model == tiny_model("llama")
 
         async def burst() -> list[object]:
             aclient = server.async_client(api_key="sekrit")
@@ -721,13 +715,6 @@ def test_tokenize_and_detokenize(server: RemoteServer, model: str) -> None:
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
     wrong = httpx.post(f"{server.url}/tokenize", json={"model": "nope", "prompt": "a"})
     assert wrong.status_code == 404
-
-
-def test_serve_takes_the_model_as_vllm_serve_does(tiny_model: Callable[[str], str]) -> None:
-    model = tiny_model("llama")
-    with RemoteServer(["serve", model, "--dtype", "float32"]) as s:
-        assert s.client().models.list().data[0].id == model
-        assert s.stop() == []
 
 
 def test_openapi_schema_says_what_the_server_does(server: RemoteServer) -> None:
