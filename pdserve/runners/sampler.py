@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
+_F32_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass(kw_only=True)
 class SamplingMetadata(sampling.SamplingInputs):
@@ -75,7 +77,10 @@ class SamplingMetadata(sampling.SamplingInputs):
         if logits_processors is not None and not any(logits_processors):
             logits_processors = None
         return cls(
-            temperature=f32([p.temperature for p in params]),
+            # Past float32's range a temperature is inf on the device, and a masked logit
+            # (-inf: structured outputs, min_tokens) over inf is NaN, which argmax takes; at
+            # float32's largest the distribution is already uniform over the allowed tokens.
+            temperature=f32([min(p.temperature, _F32_MAX) for p in params]),
             all_greedy=all(greedy),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if any(top_k) else None,
             top_p=f32(top_p) if any(p < 1.0 for p in top_p) else None,

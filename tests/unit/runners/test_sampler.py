@@ -38,6 +38,19 @@ def test_greedy_is_argmax():
     assert torch.equal(out.sampled_token_ids, bf16.float().argmax(dim=-1))
 
 
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_a_temperature_past_float32_samples_only_allowed_tokens(use_kernels: bool) -> None:
+    """A temperature of 1.8e308 (a valid JSON number) is inf in float32, and a masked logit
+    over inf was NaN, which the sampler took: a grammar's -inf tokens came out (found through
+    the proxy by schemathesis). The masked tokens stay out; the rest are equally likely."""
+    logits = LOGITS.repeat(4, 1)
+    logits[:, ::2] = float("-inf")  # what a grammar's bitmask leaves
+    params = [SamplingParams(temperature=1.7976931348623157e308)] * 4
+    for _ in range(20):
+        sampled = Sampler(use_kernels=use_kernels)(logits.clone(), make_md(params))
+        assert (sampled.sampled_token_ids % 2 == 1).all(), sampled.sampled_token_ids
+
+
 def test_mixed_batch_greedy_rows_take_argmax():
     torch.manual_seed(0)
     logits = torch.randn(8, 200)
