@@ -44,7 +44,7 @@ def _st(url: str, *args: str, hooks: bool) -> None:
             "MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         }
     out = subprocess.run(
-        [str(st), "run", f"{url}/openapi.json", "--no-color", "--max-examples", "25",
+        [str(st), "run", f"{url}/openapi.json", "--no-color", "--max-examples", "40",
          "--request-timeout", "60", "--seed", "1", *args],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
