@@ -4,6 +4,7 @@ tokenizer, the metrics, and the request ids in flight."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from pdserve.proxy.instances import InstancePool, check_forever
 from pdserve.proxy.metrics import ProxyMetrics
@@ -37,10 +38,10 @@ class ProxyState:
         self.in_flight: set[str] = set()
         # Tasks that outlive their request (a push-mode prefill hop, closing a decode leg
         # nobody reads); kept referenced until they end.
-        self.background: set[asyncio.Task[None]] = set()
+        self.background: set[asyncio.Task[Any]] = set()
         self._tasks: list[asyncio.Task[None]] = []
 
-    def keep(self, task: asyncio.Task[None]) -> None:
+    def keep(self, task: asyncio.Task[Any]) -> None:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 

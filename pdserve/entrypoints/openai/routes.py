@@ -139,12 +139,12 @@ async def chat_completions_render(body: ChatCompletionRequest, request: Request)
 def _render(
     request: Request, prepared: list[tuple[Prompt, SamplingParams]], stream: bool
 ) -> list[dict[str, Any]]:
-    request_id = request_id_of(request)
+    request_id, model = request_id_of(request), server_state(request).serving.model_name
     return [
         {
             "request_id": request_id if len(prepared) == 1 else f"{request_id}-{i}",
             "token_ids": prompt["prompt_token_ids"],
-            "model": server_state(request).serving.model_name,
+            "model": model,
             "sampling_params": msgspec.to_builtins(params),
             "stream": stream,
         }
