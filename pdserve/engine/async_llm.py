@@ -102,19 +102,13 @@ class AsyncLLM:
         finished = False
         first_id = children[0][0]
         try:
-            # n > 1 sequences reading one hand-off share its read (DecodeHandoff.send).
-            reads = kv_transfer_params is not None and kv_transfer_params.do_remote_prefill
-            requests = [
-                self.input_processor.make_request(
-                    child_id,
-                    token_ids,
-                    child_params,
-                    kv_transfer_params if i == 0 or not reads else None,
-                    cache_salt=salt,
-                )
-                for i, (child_id, child_params) in enumerate(children)
-            ]
-            self.handoff.send(requests, kv_transfer_params)
+            self.handoff.send(
+                children,
+                kv_transfer_params,
+                lambda child_id, child_params, kv: self.input_processor.make_request(
+                    child_id, token_ids, child_params, kv, cache_salt=salt
+                ),
+            )
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

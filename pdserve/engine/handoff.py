@@ -23,6 +23,7 @@ from pdserve.kv_connector.first_token import shipped_logprobs
 from pdserve.kv_transfer_params import KV_LOAD_FAILED, KVTransferParams
 from pdserve.outputs import EngineCoreOutput, RequestOutput
 from pdserve.protocol.errors import OpenAIError
+from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +103,20 @@ class DecodeHandoff:
                     "Could not release the remote KV of rejected request %s: %s", request_id, e
                 )
 
-    def send(self, requests: list[EngineCoreRequest], params: KVTransferParams | None) -> None:
-        """A request's sequences to the engine: with n > 1 reading a hand-off, the first now
-        and the others once its load ended."""
-        if len(requests) > 1 and params is not None and params.do_remote_prefill:
-            self.followers[requests[0].request_id] = requests[1:]
-            requests = requests[:1]
-        for request in requests:
+    def send(
+        self,
+        sequences: list[tuple[str, SamplingParams]],
+        params: KVTransferParams | None,
+        make: Callable[[str, SamplingParams, KVTransferParams | None], EngineCoreRequest],
+    ) -> None:
+        """A request's sequences (engine id, params) to the engine as `make` builds them: with
+        n > 1 reading a hand-off, the first with the params now, the others without them once
+        its load ended."""
+        if len(sequences) > 1 and params is not None and params.do_remote_prefill:
+            first, *rest = sequences
+            self.followers[first[0]] = [make(*sequence, None) for sequence in rest]
+            sequences = [first]
+        for request in [make(*sequence, params) for sequence in sequences]:
             self.client.add_request(request)
             if request.output_token_ids:
                 self.ship_first_token(request)
