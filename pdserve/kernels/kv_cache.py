@@ -100,7 +100,8 @@ def write_kv_cache_torch(
     block_idx = slot_mapping // block_size
     block_off = slot_mapping % block_size
     kv_cache[block_idx, 0, block_off] = key.to(kv_cache.dtype)
-    kv_cache[block_idx, 1, block_off] = value.to(kv_cache.dtype)
+    if kv_cache.stride(1):  # else one entry is key and value (a latent cache): written once
+        kv_cache[block_idx, 1, block_off] = value.to(kv_cache.dtype)
 
 
 class _Strides(ctypes.Structure):

@@ -98,13 +98,14 @@ if backend.HAS_TRITON:
 
 
 def build_cos_sin_cache(
-    inv_freq: torch.Tensor, max_position: int, dtype: torch.dtype
+    inv_freq: torch.Tensor, max_position: int, dtype: torch.dtype, attention_factor: float = 1.0
 ) -> torch.Tensor:
     """The [max_position, 2, head_dim] table on the current default device (where HF would
-    compute it), from the float32 inverse frequencies [head_dim / 2]."""
+    compute it), from the float32 inverse frequencies [head_dim / 2]; YaRN scales cos and sin
+    by its attention factor."""
     positions = torch.arange(max_position, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
     return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1).to(dtype)
 
 

@@ -54,22 +54,30 @@ def make_layers(
 @dataclass(frozen=True)
 class KVCacheGeometry:
     """What a KV cache holds for a model: one entry per attention layer, each with its KV heads
-    of head_dim values (of one pipeline stage and one TP rank, for a model built as one)."""
+    of head_dim values (of one pipeline stage and one TP rank, for a model built as one).
+
+    A latent cache (MLA) keeps one part per token, key and value at once, and every TP rank
+    holds all of it; otherwise a key part and a value part, each rank its share of the heads."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    latent: bool = False
+
+    @property
+    def kv_parts(self) -> int:
+        return 1 if self.latent else 2
 
 
 def kv_cache_geometry(model: nn.Module) -> KVCacheGeometry:
     """Read from the model's attention layers: a model family decides which HF config fields it
     uses (OPT ignores num_key_value_heads), so no rule over the config can stand in for it."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    shapes = {(layer.num_kv_heads, layer.head_dim) for layer in layers}
+    shapes = {(layer.num_kv_heads, layer.head_dim, layer.latent) for layer in layers}
     # One cache tensor holds every layer: a model whose layers differ would need one per layer.
     assert len(shapes) == 1, f"{type(model).__name__}: attention layers of shapes {shapes}"
-    ((num_kv_heads, head_dim),) = shapes
-    return KVCacheGeometry(len(layers), num_kv_heads, head_dim)
+    ((num_kv_heads, head_dim, latent),) = shapes
+    return KVCacheGeometry(len(layers), num_kv_heads, head_dim, latent)
 
 
 def empty_intermediate_tensors(

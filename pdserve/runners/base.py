@@ -74,14 +74,14 @@ class ModelRunnerBase:
         self.kv_cache_geometry = kv_cache_geometry(self.model)
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """[num_blocks, this stage's layers, 2, block_size, this TP rank's KV heads, head_dim],
-        as the model's attention layers hold them."""
+        """[num_blocks, this stage's layers, 2 (key, value) or 1 (a latent), block_size, this TP
+        rank's KV heads, head_dim], as the model's attention layers hold them."""
         geometry = self.kv_cache_geometry
         assert geometry is not None, "load_model() first"
         return (
             num_blocks,
             geometry.num_layers,
-            2,
+            geometry.kv_parts,
             self.block_size,
             geometry.num_kv_heads,
             geometry.head_dim,
@@ -95,7 +95,8 @@ class ModelRunnerBase:
         """One block-major tensor: block b of every layer is contiguous (cheap to transfer)."""
         shape = self._kv_cache_shape(num_blocks)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [self.kv_cache[:, i] for i in range(shape[1])]
+        # A latent part serves as key and value: the layer's view reads it as both (stride 0).
+        self.kv_caches = [self.kv_cache[:, i].expand(-1, 2, -1, -1, -1) for i in range(shape[1])]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             num_blocks,

@@ -35,7 +35,7 @@ def _rank_main(rank: int, init_file: str, model_dir: str) -> None:
             source = resolve_model_source(str(Path(model_dir) / arch))
             model = load_model(load_hf_config(source), source, torch.float32, "cpu")
             assert model.lm_head.weight.shape[0] == VOCAB_SIZE // TP_SIZE  # really sharded
-            kv = make_kv_cache(model.config, block_size=4, tp_size=TP_SIZE)
+            kv = make_kv_cache(model.config, block_size=4)
             prefill = run_step(model, kv, list(PROMPTS.items()))
             decode = run_step(model, kv, list(NEXT_TOKENS.items()))
             torch.save((prefill, decode), Path(model_dir) / f"{arch}.rank{rank}.pt")

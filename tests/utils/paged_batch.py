@@ -1,7 +1,7 @@
 """A paged KV cache and step inputs for running a model directly, without an engine.
 
-The cache is block-major like the engine's, [num_blocks, num_layers, 2, block_size, kv_heads,
-head_dim], so layer i's view is cache[:, i]. Blocks are handed out in a shuffled order, so
+The cache is block-major like the engine's, [num_blocks, num_layers, 2 (or 1: a latent),
+block_size, kv_heads, head_dim], so layer i's view is cache[:, i]. Blocks are handed out in a shuffled order, so
 that a request's blocks are neither contiguous nor ascending.
 """
 
@@ -15,6 +15,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pdserve.kernels.attention import AttentionMetadata
+from pdserve.models.registry import get_model_class
+from pdserve.models.utils import kv_cache_geometry
 
 
 @dataclass
@@ -27,7 +29,7 @@ class PagedKVCache:
 
     @property
     def layer_caches(self) -> list[torch.Tensor]:
-        return [self.cache[:, i] for i in range(self.cache.shape[1])]
+        return [self.cache[:, i].expand(-1, 2, -1, -1, -1) for i in range(self.cache.shape[1])]
 
 
 def make_kv_cache(
@@ -37,14 +39,13 @@ def make_kv_cache(
     block_size: int = 4,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-    tp_size: int = 1,
 ) -> PagedKVCache:
-    """The cache of one TP rank (KV heads split over ranks, or replicated when fewer)."""
-    num_heads = hf_config.num_attention_heads
-    total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    num_kv_heads = max(1, total_kv_heads // tp_size)
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    shape = (num_blocks, hf_config.num_hidden_layers, 2, block_size, num_kv_heads, head_dim)
+    """The cache of the model `hf_config` describes, as its attention layers hold it (in a TP
+    group: this rank's share)."""
+    with torch.device("meta"):
+        model = get_model_class(hf_config.architectures[0])(hf_config, torch.float32)
+    g = kv_cache_geometry(model)
+    shape = (num_blocks, g.num_layers, g.kv_parts, block_size, g.num_kv_heads, g.head_dim)
     # Large garbage, so that attending to a slot nobody wrote shows up in the logits. Not NaN:
     # the reference attention multiplies masked slots by a zero weight, and 0 * NaN is NaN.
     gen = torch.Generator().manual_seed(seed)

@@ -14,6 +14,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -26,7 +28,17 @@ from transformers import (
     Qwen3Config,
 )
 
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt", "qwen2_moe", "mixtral")
+TINY_ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "opt",
+    "qwen2_moe",
+    "mixtral",
+    "deepseek_v2",
+    "deepseek_v3",
+)
 VOCAB_SIZE = 512
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 _SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
@@ -97,7 +109,48 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
         return MixtralConfig(
             **{**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
         )
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_config(arch, overrides)
     raise ValueError(f"Unknown tiny model architecture {arch!r}; known: {', '.join(TINY_ARCHS)}.")
+
+
+def _deepseek_config(arch: str, overrides: dict[str, Any]) -> PretrainedConfig:
+    """MLA with a latent narrower than the heads' keys and values, YaRN with its mscale, a dense
+    first layer and a routed one: V2 without q_lora_rank and group-limited softmax routing, V3
+    with q_lora_rank and sigmoid routing with the correction bias."""
+    mla = dict(
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        num_key_value_heads=4,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            mscale=0.8,
+            mscale_all_dim=0.7,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    )
+    moe = dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+    )
+    common = {**_DECODER, **mla, **moe}
+    if arch == "deepseek_v2":
+        v2 = dict(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5)
+        return DeepseekV2Config(**{**common, **v2, **overrides})
+    v3 = dict(q_lora_rank=32, routed_scaling_factor=2.5)
+    return DeepseekV3Config(**{**common, **v3, **overrides})
 
 
 def make_tiny_model(arch: str, path: Path, *, seed: int = 0, **config_overrides: Any) -> Path:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -11,6 +13,9 @@ from pdserve.kernels.kv_cache import write_kv_cache
 
 class Attention(nn.Module):
     """Per-rank attention of one layer; the caller has already split heads over TP ranks."""
+
+    # A key and a value per token and KV head, each rank its own heads (mla.py's is a latent).
+    latent: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
         super().__init__()

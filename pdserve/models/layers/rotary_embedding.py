@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 
 from pdserve.kernels.rotary import build_cos_sin_cache, rotary_embedding
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def get_rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
@@ -52,14 +52,56 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(
+    base: float, dim: int, params: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, the factor on cos and sin) of YaRN: high frequencies kept, low
+    ones interpolated, a linear ramp between (HF's _compute_yarn_parameters)."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = correction_dim(params.get("beta_fast") or 32)
+    high = correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
+    kept = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """One per model: every attention layer shares its cos/sin table."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_position: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        max_position: int,
+        dtype: torch.dtype,
+        attention_factor: float = 1.0,
+    ) -> None:
         super().__init__()
-        self.register_buffer(
-            "cos_sin_cache", build_cos_sin_cache(inv_freq, max_position, dtype), persistent=False
-        )
+        table = build_cos_sin_cache(inv_freq, max_position, dtype, attention_factor)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -83,7 +125,11 @@ def get_rope(
             f"partial_rotary_factor={rope_parameters['partial_rotary_factor']} is not supported; "
             "pdserve rotates the whole head."
         )
-    inv_freq = _default_inv_freq(rope_parameters["rope_theta"], head_dim)
+    base = rope_parameters["rope_theta"]
+    if rope_type == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(base, head_dim, rope_parameters, max_position)
+        return RotaryEmbedding(inv_freq, max_position, dtype, attention_factor)
+    inv_freq = _default_inv_freq(base, head_dim)
     if rope_type == "linear":
         inv_freq = inv_freq / rope_parameters["factor"]
     elif rope_type == "llama3":

@@ -29,6 +29,10 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
     ("qwen2_moe", {}),
     ("mixtral", {}),
+    ("deepseek_v2", {"first_k_dense_replace": 2}),
+    ("deepseek_v3", {"first_k_dense_replace": 2}),
+    # V3 checkpoints that rotate rope pairs rotate-half style.
+    ("deepseek_v3", {"first_k_dense_replace": 2, "rope_interleave": False}),
 ]
 
 

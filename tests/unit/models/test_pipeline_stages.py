@@ -94,6 +94,8 @@ def test_stages_match_hf(
     overrides: dict[str, Any],
 ) -> None:
     path = make_tiny_model(arch, tmp_path / arch, num_hidden_layers=NUM_LAYERS, **overrides)
+    # Every stage's layers: made before the stages set this process's pipeline rank.
+    kv = make_kv_cache(load_hf_config(resolve_model_source(str(path))), block_size=4)
     models = load_stages(path)
     for rank, model in enumerate(models):
         names = [n for n, _ in model.named_parameters()]
@@ -103,7 +105,6 @@ def test_stages_match_hf(
         is_end = rank in (0, NUM_STAGES - 1)
         assert holds_head == is_end, f"stage {rank}: embedding or head where it does not belong"
 
-    kv = make_kv_cache(models[0].config, block_size=4)
     prefill = _run_stages(models, kv, list(PROMPTS.items()))
     decode = _run_stages(models, kv, list(NEXT_TOKENS.items()))
     reference = load_hf_model(path)
