@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 # Bumped whenever a message below or the KV layout changes meaning.
 NIXL_CONNECTOR_VERSION = 4
-KV_LAYOUT = "block-major:[blocks,layers,2,block_size,kv_heads,head_dim]"
+KV_LAYOUT = "block-major:[blocks,layers,{parts},block_size,kv_heads,head_dim]"
 
 
 class RecvReqMeta(msgspec.Struct, array_like=True):
@@ -204,14 +204,15 @@ def compatibility_factors(
     The layout is the registered cache's own (its geometry is the model's attention layers'),
     with the KV heads counted over the TP group (EngineConfig checks that TP divides them), so
     that instances of different TP sizes agree."""
-    _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, num_layers, parts, block_size, num_kv_heads, head_dim = kv_cache.shape
     return {
         "pdserve_version": pdserve.__version__,
         "connector_version": NIXL_CONNECTOR_VERSION,
-        "kv_layout": KV_LAYOUT,
+        # 2 parts: a key and a value per KV head; 1: a latent (MLA), the same on every rank.
+        "kv_layout": KV_LAYOUT.format(parts=parts),
         "architecture": architecture,
         "dtype": str(kv_cache.dtype).removeprefix("torch."),
-        "total_kv_heads": num_kv_heads * tp_size,
+        "total_kv_heads": num_kv_heads * (tp_size if parts == 2 else 1),
         "head_dim": head_dim,
         "num_layers": num_layers,
         "block_size": block_size,

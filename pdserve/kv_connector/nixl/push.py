@@ -273,7 +273,7 @@ class PushReceiver:
         num_registrants = self.topology.readers_per_remote_rank(engine.tp_size)
         landings = [
             self.topology.read_target(local, j, engine.tp_size, remote_meta.block_len)
-            if local
+            if local and self.topology.reads_from(j)
             else (0, [])
             for j, (_, remote_meta) in enumerate(engine.agents)
         ]

@@ -77,13 +77,17 @@ class KVReader:
         notif = Notif(
             "done", [meta.remote_request_id], self.topology.readers_per_remote_rank(engine.tp_size)
         )
-        if not local:  # a full local prefix hit, or an abort: the prefill side only needs to free
-            for agent, _ in engine.agents:
-                if not send(self.transport, agent, notif):
-                    self.count("failed_notifications", 1.0)
+        # The ranks read come first; the others (all, for a full local prefix hit or an abort;
+        # the replicas of a latent cache) only need to free.
+        read = [a for j, a in enumerate(engine.agents) if local and self.topology.reads_from(j)]
+        for agent, _ in engine.agents[len(read) :]:
+            if not send(self.transport, agent, notif):
+                self.count("failed_notifications", 1.0)
+        if not read:
             if report:
                 self.done.add(req_id)
             return
+        engine = RemoteEngine(engine.engine_id, engine.tp_size, read, engine.epoch)
         if len(meta.remote_block_ids) < len(local):
             raise ValueError(
                 f"{len(local)} local blocks to fill but the prefill side has "

@@ -9,6 +9,10 @@ the blocks go to a registered staging area and this rank's heads are copied out:
 Staging rows are laid out [remote rank j][block id], so runs of blocks stay contiguous. They
 live where the registered memory does: on the cache's device, or in (pinned) host memory when
 the transport moves host memory (kv_buffer_device "cpu").
+
+A latent cache (MLA: one part per block, no heads to split) is the same on every rank: a decode
+rank reads whole blocks straight into its cache from the first prefill rank of its share, and
+the others of its share only hear that it is done (vLLM's replicated-KV rule).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Topology:
         self.transport = transport
         self.num_blocks = kv_cache.shape[0]
         self.num_kv_heads = kv_cache.shape[4]
+        self.latent = kv_cache.shape[2] == 1
         self._staging: dict[int, tuple[int, torch.Tensor]] = {}  # remote TP -> (region, tensor)
 
     def remote_ranks(self, remote_tp: int) -> list[int]:
@@ -60,6 +65,10 @@ class Topology:
 
     def readers_per_remote_rank(self, remote_tp: int) -> int:
         return max(1, self.tp_size // remote_tp)
+
+    def reads_from(self, j: int) -> bool:
+        """Whether the j-th of remote_ranks() is read (else it is only told the read is done)."""
+        return j == 0 or not self.latent
 
     def check_compatible(self, remote: AgentMetadata, remote_tp: int) -> None:
         cache = self.kv_cache
@@ -78,7 +87,13 @@ class Topology:
                 raise ValueError(
                     f"the prefill instance has {name}={theirs[name]}, this one {value}"
                 )
-        if remote.num_kv_heads * remote_tp != self.num_kv_heads * self.tp_size:
+        if self.latent:
+            if remote.num_kv_heads != self.num_kv_heads:
+                raise ValueError(
+                    f"latent KV heads differ: prefill {remote.num_kv_heads}, decode "
+                    f"{self.num_kv_heads}"
+                )
+        elif remote.num_kv_heads * remote_tp != self.num_kv_heads * self.tp_size:
             raise ValueError(
                 f"KV heads differ: prefill {remote.num_kv_heads} x TP {remote_tp}, decode "
                 f"{self.num_kv_heads} x TP {self.tp_size}"
@@ -88,7 +103,7 @@ class Topology:
         self, local_ids: list[int], j: int, remote_tp: int, remote_block_len: int
     ) -> tuple[int, list[int]]:
         """(local region, block indices of `remote_block_len` bytes) for reads from remote rank j."""
-        if remote_tp == self.tp_size:
+        if remote_tp == self.tp_size or self.latent:
             return 0, local_ids
         region, _ = self._staging_for(remote_tp, remote_block_len)
         return region, [j * self.num_blocks + b for b in local_ids]
@@ -107,7 +122,7 @@ class Topology:
 
     def finish(self, local_ids: list[int], remote_tp: int) -> None:
         """Copy this rank's heads from staging into the cache once every read arrived."""
-        if remote_tp == self.tp_size:
+        if remote_tp == self.tp_size or self.latent:
             return
         _, raw = self._staging[remote_tp]
         cache = self.kv_cache

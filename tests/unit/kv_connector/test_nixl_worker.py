@@ -387,6 +387,43 @@ def test_two_decode_ranks_read_one_prefill_rank(
         assert rank.take_invalid_block_ids() == set()
 
 
+def test_a_latent_cache_is_read_from_one_prefill_rank(
+    make_worker: Callable[..., NixlConnectorWorker],
+    serve: Callable[..., int],
+    clock: Clock,
+) -> None:
+    """MLA's latent (one part per block, no heads) is the same on every rank: a decode rank of
+    TP 1 reads it from the first of two prefill ranks, byte for byte and no more, and the other
+    only hears that it is done; two decode ranks of one prefill rank each read whole blocks."""
+    shape = (NUM_BLOCKS, BLOCK_SHAPE[0], 1, BLOCK_SHAPE[2], 1, BLOCK_SHAPE[4])
+    # Replicas that differ, so that the bytes say which rank was read.
+    prefill = [
+        make_worker("kv_producer", kv_cache=torch.randn(shape), tp=2, tp_rank=r) for r in range(2)
+    ]
+    d = make_worker("kv_consumer", kv_cache=torch.zeros(shape))
+    port = serve(*prefill)
+    for p in prefill:
+        lease(p, clock.now + LEASE, "p-0")
+    meta = recv([3, 4], [8, 9], "p-0", port)
+    load(d, **{"d-0": msgspec.structs.replace(meta, remote_tp_size=2)})
+    finished = Finished(*prefill, d).until(recving=("d-0",))
+    poll(lambda: finished.poll().sending == ["p-0", "p-0"])
+    assert torch.equal(d.kv_cache[[3, 4]], prefill[0].kv_cache[[8, 9]])
+    assert d.take_stats()["transfer_bytes"] == 2 * prefill[0].kv_cache[0].nbytes
+
+    readers = [
+        make_worker("kv_consumer", engine_id=f"decode-{r}", kv_cache=torch.zeros(shape), tp=2,
+                    tp_rank=r)
+        for r in range(2)
+    ]  # fmt: skip
+    lease(prefill[0], clock.now + LEASE, "p-1")
+    for rank in readers:
+        load(rank, **{"d-1": recv([5], [10], "p-1", port)})
+    Finished(prefill[0], *readers).until(sending=("p-1",), recving=("d-1",))
+    for rank in readers:
+        assert torch.equal(rank.kv_cache[5], prefill[0].kv_cache[10])
+
+
 def test_handshake_metadata_describes_the_registered_cache(
     make_worker: Callable[..., NixlConnectorWorker],
 ) -> None:
