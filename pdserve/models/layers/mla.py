@@ -23,6 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.linear import PackedWeight, can_pack, linear, pack_weight
 from pdserve.models.layers.attention import Attention
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -87,12 +88,22 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotary_emb = rotary_emb
         latent_dim = self.kv_lora_rank + self.qk_rope_head_dim
         self.attn = LatentAttention(self.num_heads, latent_dim, 1, mla_softmax_scale(cfg))
+        self._heads: list[tuple[tuple[torch.Tensor, PackedWeight | None], ...]] | None = None
 
-    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [heads, qk_nope, kv_lora_rank], W_UV [heads, v, kv_lora_rank]) of this rank,
-        views of kv_b_proj's weight."""
-        w = self.kv_b_proj.weight.view(self.num_heads, -1, self.kv_lora_rank)
-        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+    def _absorbed(self) -> list[tuple[tuple[torch.Tensor, PackedWeight | None], ...]]:
+        """Per head of this rank: (W_UK^T [kv_lora_rank, qk_nope], W_UV [v, kv_lora_rank]), each
+        with its packed form, from kv_b_proj's loaded weight (gathered at the first forward).
+        One packed matmul per head, not a bmm: a bmm's sums change order with the batch."""
+        if self._heads is None:
+            w = self.kv_b_proj.weight.view(self.num_heads, -1, self.kv_lora_rank)
+            w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+            self._heads = [
+                tuple(
+                    (m, pack_weight(m) if can_pack(m) else None) for m in (uk.t().contiguous(), uv)
+                )
+                for uk, uv in zip(w_uk, w_uv.contiguous(), strict=True)
+            ]
+        return self._heads
 
     def forward(
         self,
@@ -113,13 +124,13 @@ class MultiHeadLatentAttention(nn.Module):
         )
         latent = self.kv_a_layernorm(latent.contiguous())
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
-        w_uk, w_uv = self._absorbed()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        query = torch.cat((q_latent, q_pe), dim=-1)
+        heads = self._absorbed()
+        q_latent = [linear(q_nope[:, h], w, None, p) for h, ((w, p), _) in enumerate(heads)]
+        query = torch.cat((torch.stack(q_latent, dim=1), q_pe), dim=-1)
         entry = torch.cat((latent.unsqueeze(1), k_pe), dim=-1)
         out = self.attn(query, entry, entry, kv_cache, attn_metadata)[..., : self.kv_lora_rank]
-        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
+        out = [linear(out[:, h], w, None, p) for h, (_, (w, p)) in enumerate(heads)]
+        return self.o_proj(torch.cat(out, dim=-1))
 
     def forward_after_norm(
         self,
