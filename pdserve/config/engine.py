@@ -220,10 +220,9 @@ class EngineConfig:
                 "every stage needs at least one layer."
             )
         tp, hf = self.parallel_config.tensor_parallel_size, self.model_config.hf_config
-        heads = {
-            "attention heads": hf.num_attention_heads,
-            "KV heads": self.model_config.num_kv_heads,
-        }
+        heads = {"attention heads": hf.num_attention_heads}
+        if not self.model_config.kv_cache_geometry.latent:  # a latent is whole on every rank
+            heads["KV heads"] = self.model_config.num_kv_heads
         for what, count in heads.items():
             if count % tp:
                 raise ValueError(

@@ -68,6 +68,10 @@ class KVCacheGeometry:
     def kv_parts(self) -> int:
         return 1 if self.latent else 2
 
+    def bytes_per_token(self, element_size: int) -> int:
+        """What one token's KV costs here, every layer."""
+        return self.num_layers * self.kv_parts * self.num_kv_heads * self.head_dim * element_size
+
 
 def kv_cache_geometry(model: nn.Module) -> KVCacheGeometry:
     """Read from the model's attention layers: a model family decides which HF config fields it

@@ -8,7 +8,6 @@ every rank, so that every runner appends the same tokens to its requests.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,8 +87,9 @@ class ModelRunnerBase:
         )
 
     def get_kv_cache_block_bytes(self) -> int:
-        elems = math.prod(self._kv_cache_shape(1))
-        return elems * torch.empty((), dtype=self.dtype).element_size()
+        assert self.kv_cache_geometry is not None, "load_model() first"
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return self.block_size * self.kv_cache_geometry.bytes_per_token(element_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One block-major tensor: block b of every layer is contiguous (cheap to transfer)."""

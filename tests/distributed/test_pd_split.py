@@ -1,8 +1,10 @@
 """A prefill instance and a decode instance in separate processes give a single instance's
-tokens, for each transport, runner, and TP layout (tiny llama: 4 heads, 2 KV heads)."""
+tokens, for each transport, runner, and TP layout (tiny llama: 4 heads, 2 KV heads; tiny
+DeepSeek-V2: its latent)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.config import ModelConfig
 from tests.utils.pd import greedy_body, prefill, split_request, start_instance
 from tests.utils.server import RemoteServer
 from tests.utils.tiny_models import hf_greedy
@@ -26,31 +29,48 @@ PROMPTS = [
 CASES = [
     # Slow as the rest: a split is token-exact against HF in the default suite through
     # test_first_token.py (both runners), test_proxy.py (pdserve launch), test_proxy_paths.py.
-    # Every pair of transport, TP layout and runner once (all-pairs).
-    pytest.param("nixl", 1, 1, "1", id="nixl-tp1-tp1-v2", marks=pytest.mark.slow),
-    pytest.param("ucx", 1, 1, "0", id="ucx-tp1-tp1-v1", marks=pytest.mark.slow),
-    pytest.param("nixl", 1, 2, "1", id="nixl-tp1-tp2-v2", marks=pytest.mark.slow),
-    pytest.param("nixl", 2, 1, "0", id="nixl-tp2-tp1-v1", marks=pytest.mark.slow),
-    pytest.param("ucx", 1, 2, "0", id="ucx-tp1-tp2-v1", marks=pytest.mark.slow),
-    pytest.param("ucx", 2, 1, "1", id="ucx-tp2-tp1-v2", marks=pytest.mark.slow),
+    # Every pair of transport, TP layout and runner once (all-pairs), for llama (a key and a
+    # value per KV head) and DeepSeek-V2 (MLA: one latent per token, the same on every rank).
+    pytest.param("llama", "nixl", 1, 1, "1", id="llama-nixl-tp1-tp1-v2", marks=pytest.mark.slow),
+    pytest.param("llama", "ucx", 1, 1, "0", id="llama-ucx-tp1-tp1-v1", marks=pytest.mark.slow),
+    pytest.param("llama", "nixl", 1, 2, "1", id="llama-nixl-tp1-tp2-v2", marks=pytest.mark.slow),
+    pytest.param("llama", "nixl", 2, 1, "0", id="llama-nixl-tp2-tp1-v1", marks=pytest.mark.slow),
+    pytest.param("llama", "ucx", 1, 2, "0", id="llama-ucx-tp1-tp2-v1", marks=pytest.mark.slow),
+    pytest.param("llama", "ucx", 2, 1, "1", id="llama-ucx-tp2-tp1-v2", marks=pytest.mark.slow),
+    pytest.param("deepseek_v2", "ucx", 1, 1, "1", id="mla-ucx-tp1-tp1-v2", marks=pytest.mark.slow),
+    pytest.param(
+        "deepseek_v2", "nixl", 1, 2, "0", id="mla-nixl-tp1-tp2-v1", marks=pytest.mark.slow
+    ),
+    pytest.param("deepseek_v2", "ucx", 2, 1, "1", id="mla-ucx-tp2-tp1-v2", marks=pytest.mark.slow),
 ]
 
 
+def read_bytes(model: str, num_blocks: int, prefill_tp: int, decode_tp: int) -> int:
+    """What the decode instance reads for `num_blocks` blocks of 16 tokens (float32): a latent
+    whole by every decode rank from one prefill rank; heads split over ranks whole blocks by each
+    decode rank of a prefill rank, once in all when prefill TP >= decode TP."""
+    geometry = ModelConfig(model=model).kv_cache_geometry
+    block = 16 * geometry.bytes_per_token(4)
+    readers = decode_tp if geometry.latent else max(1, decode_tp // prefill_tp)
+    return num_blocks * block * readers
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_model: Callable[[str], str]) -> list[list[int]]:
-    return hf_greedy(Path(tiny_model("llama")), PROMPTS + [PROMPTS[2]], MAX_TOKENS)
+def reference(tiny_model: Callable[[str], str]) -> Callable[[str], list[list[int]]]:
+    return functools.cache(lambda arch: hf_greedy(Path(tiny_model(arch)), PROMPTS, MAX_TOKENS))
 
 
-@pytest.mark.parametrize("transport,prefill_tp,decode_tp,runner", CASES)
+@pytest.mark.parametrize("arch,transport,prefill_tp,decode_tp,runner", CASES)
 def test_split_matches_reference(
     tiny_model: Callable[[str], str],
-    reference: list[list[int]],
+    reference: Callable[[str], list[list[int]]],
+    arch: str,
     transport: str,
     prefill_tp: int,
     decode_tp: int,
     runner: str,
 ) -> None:
-    model = tiny_model("llama")
+    model = tiny_model(arch)
     servers = []
     try:
         p = start_instance(model, "kv_producer", transport, prefill_tp, runner)
@@ -58,7 +78,7 @@ def test_split_matches_reference(
         d = start_instance(model, "kv_consumer", transport, decode_tp, runner)
         servers.append(d)
         bytes_read = []
-        for prompt, expected in zip(PROMPTS, reference):
+        for prompt, expected in zip(PROMPTS, reference(arch)):
             before = d.metric("kv_transfer_bytes_total")
             body = {
                 "model": model,
@@ -71,6 +91,8 @@ def test_split_matches_reference(
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["token_ids"] == expected
             bytes_read.append(d.metric("kv_transfer_bytes_total") - before)
+        # Exactly the cache the model keeps: PROMPTS[2] (75 tokens) fills 5 blocks.
+        assert bytes_read[2] == read_bytes(model, 5, prefill_tp, decode_tp)
         assert all(b > 0 for b in bytes_read) and d.metric("kv_transfers_total") >= len(PROMPTS)
         # A prefix hit on the decode side: it reads only the block it does not hold (1 of 5).
         before = d.metric("kv_transfer_bytes_total")
@@ -82,7 +104,7 @@ def test_split_matches_reference(
             "ignore_eos": True,
         }
         resp = split_request(p, d, body)
-        assert resp.json()["choices"][0]["token_ids"] == reference[-1]
+        assert resp.json()["choices"][0]["token_ids"] == reference(arch)[2]
         assert d.metric("kv_transfer_bytes_total") - before == bytes_read[2] / 5
         for server in servers:
             server.wait_pool_full(timeout=30)
