@@ -128,7 +128,7 @@ def _deepseek_config(arch: str, overrides: dict[str, Any]) -> PretrainedConfig:
             rope_type="yarn",
             rope_theta=10000.0,
             factor=4.0,
-            original_max_position_embeddings=64,
+            original_max_position_embeddings=256,
             mscale=0.8,
             mscale_all_dim=0.7,
             beta_fast=32,
@@ -137,19 +137,25 @@ def _deepseek_config(arch: str, overrides: dict[str, Any]) -> PretrainedConfig:
     )
     moe = dict(
         n_routed_experts=8,
-        num_experts_per_tok=2,
+        # 3 of 8 from the best 2 of 4 groups: the groups change the choice.
+        num_experts_per_tok=3,
         moe_intermediate_size=32,
         n_shared_experts=1,
         first_k_dense_replace=1,
         n_group=4,
         topk_group=2,
-        norm_topk_prob=True,
     )
     common = {**_DECODER, **mla, **moe}
     if arch == "deepseek_v2":
-        v2 = dict(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5)
+        # HF's V2 never renormalizes its top-k weights (DeepSeek-V2's checkpoints do not ask to).
+        v2 = dict(
+            q_lora_rank=None,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            norm_topk_prob=False,
+        )
         return DeepseekV2Config(**{**common, **v2, **overrides})
-    v3 = dict(q_lora_rank=32, routed_scaling_factor=2.5)
+    v3 = dict(q_lora_rank=32, routed_scaling_factor=2.5, norm_topk_prob=True)
     return DeepseekV3Config(**{**common, **v3, **overrides})
 
 
@@ -183,6 +189,10 @@ def _reinit_weights(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(1.0 + 0.2 * noise)
             else:
                 param.copy_(0.2 * noise)
+        # DeepSeek-V3's routing bias is a buffer, saved with the weights: zero would not steer.
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn(buffer.shape, generator=gen))
 
 
 def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

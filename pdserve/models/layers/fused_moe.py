@@ -32,6 +32,41 @@ def select_experts(
     return topk_weights, topk_ids
 
 
+def grouped_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    scoring: str,
+    renormalize: bool,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing (vLLM's grouped_topk): (weights [T, top_k] float32, expert ids).
+
+    The experts' scores (softmax, or sigmoid) choose; with `num_groups` > 1 only the experts of
+    the `topk_group` best groups may be chosen, a group scored by its best expert, or, with a
+    `correction_bias` (DeepSeek-V3's noaux_tc), by the sum of its best two biased scores. The bias
+    steers the choice only: the weights are the unbiased scores."""
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    if num_groups > 1:
+        grouped = choice.view(choice.shape[0], num_groups, -1)
+        if correction_bias is None:
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
+        kept = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
+        kept = kept.unsqueeze(-1).expand_as(grouped).reshape(choice.shape)
+        choice = choice.masked_fill(~kept, 0.0 if correction_bias is None else float("-inf"))
+    topk_ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights, topk_ids
+
+
 class FusedMoE(nn.Module):
     def __init__(
         self,
@@ -89,6 +124,12 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, hidden], router_logits [T, num_experts] -> [T, hidden]."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.forward_topk(hidden_states, topk_weights, topk_ids)
+
+    def forward_topk(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Each token through its chosen experts (ids [T, top_k]), summed with their weights."""
         topk_weights = topk_weights.to(hidden_states.dtype)
         out = torch.zeros_like(hidden_states)
         # Only the experts some token chose, in expert order (HF's order, so sums match).

@@ -29,10 +29,12 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
     ("qwen2_moe", {}),
     ("mixtral", {}),
-    ("deepseek_v2", {"first_k_dense_replace": 2}),
-    ("deepseek_v3", {"first_k_dense_replace": 2}),
+    ("deepseek_v2", {}),
+    # DeepSeek-V2-Lite's routing: plain top-k of the softmax.
+    ("deepseek_v2", {"topk_method": "greedy"}),
+    ("deepseek_v3", {}),
     # V3 checkpoints that rotate rope pairs rotate-half style.
-    ("deepseek_v3", {"first_k_dense_replace": 2, "rope_interleave": False}),
+    ("deepseek_v3", {"rope_interleave": False}),
 ]
 
 
