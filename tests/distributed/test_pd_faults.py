@@ -253,13 +253,14 @@ def test_decode_rejects_before_admission_prefill_frees_at_once(faults: Pair) -> 
 
 def test_model_mismatch_at_handshake(tiny_model: Callable[[str], str], faults: Pair) -> None:
     """pd_lessons 25: a prefill instance of another model is refused at the handshake, before
-    any byte moves: the client gets an error at once (not a hang) that says what differs, the
-    decode side counts the handshake failure and logs it; the prefill side frees by its lease."""
+    any byte moves: the client gets an error at once (not a hang) that says what differs (here
+    the family and the cache layout: MLA's latent against llama's keys and values), the decode
+    side counts the handshake failure and logs it; the prefill side frees by its lease."""
     d = faults.d
-    p = start_instance(tiny_model("qwen2"), "kv_producer", kv_lease_duration=LEASE)
+    p = start_instance(tiny_model("deepseek_v2"), "kv_producer", kv_lease_duration=LEASE)
     try:
         failures = d.metric("kv_handshake_failures_total")
-        params = prefill(p, greedy_body(tiny_model("qwen2"), [5, 6, 7, 8], 8))
+        params = prefill(p, greedy_body(tiny_model("deepseek_v2"), [5, 6, 7, 8], 8))
         resp = _decode(d, faults.body([5, 6, 7, 8]), params)
         assert resp.status_code == 500, resp.text
         error = resp.json()["error"]
@@ -267,7 +268,11 @@ def test_model_mismatch_at_handshake(tiny_model: Callable[[str], str], faults: P
         message = error["message"]
         assert "KV cache could not be loaded from the prefill instance: " in message
         assert "compatibility hash mismatch" in message
-        assert "architecture: prefill Qwen2ForCausalLM, decode LlamaForCausalLM" in message
+        assert "architecture: prefill DeepseekV2ForCausalLM, decode LlamaForCausalLM" in message
+        assert (
+            "kv_layout: prefill block-major:[blocks,layers,1,block_size,kv_heads,head_dim], "
+            "decode block-major:[blocks,layers,2,block_size,kv_heads,head_dim]"
+        ) in message
         assert "compatibility hash mismatch" in d.read_log()
         assert d.metric("kv_handshake_failures_total") == failures + 1
         d.wait_pool_full()
