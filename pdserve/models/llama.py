@@ -74,6 +74,8 @@ class LlamaModel(nn.Module):
             if self.is_last_stage
             else PPMissingLayer()
         )
+        # Granite scales the embeddings.
+        self.embedding_multiplier = float(getattr(hf_config, "embedding_multiplier", 1.0))
         self._stack: DecoderStack | None = None
         self._stack_checked = False
 
@@ -98,6 +100,8 @@ class LlamaModel(nn.Module):
         the others. `kv_caches` holds this stage's layers only."""
         if self.is_first_stage:
             hidden_states, residual = self.embed_tokens(input_ids), None
+            if self.embedding_multiplier != 1.0:
+                hidden_states = hidden_states * self.embedding_multiplier
         else:
             assert intermediate_tensors is not None, "a later stage continues the previous one"
             hidden_states = intermediate_tensors["hidden_states"]

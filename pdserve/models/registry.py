@@ -35,6 +35,7 @@ MODELS: Registry[type[nn.Module]] = Registry(
         "OPTForCausalLM": "pdserve.models.opt:OPTForCausalLM",
         "Qwen2MoeForCausalLM": "pdserve.models.qwen2_moe:Qwen2MoeForCausalLM",
         "MixtralForCausalLM": "pdserve.models.mixtral:MixtralForCausalLM",
+        "GraniteMoeForCausalLM": "pdserve.models.granitemoe:GraniteMoeForCausalLM",
         "DeepseekV2ForCausalLM": "pdserve.models.deepseek_v2:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": "pdserve.models.deepseek_v2:DeepseekV3ForCausalLM",
     },

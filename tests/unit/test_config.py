@@ -71,11 +71,26 @@ def make_config(model: str, **kwargs) -> EngineConfig:
     return EngineConfig.from_engine_args(model=model, **kwargs)
 
 
-def test_default_selection_dense_and_moe(monkeypatch, tiny_model):
+# vLLM's decision tree with real models: every dense generative model gets V2, an MoE model only
+# when its architecture is on the whitelist (DeepseekV2, Qwen2Moe, GraniteMoe). DeepSeek-V3 is
+# not on it. Forced V2 runs every one of them (tests/unit/engine/test_correctness.py).
+DEFAULT_RUNNER = {
+    "llama": True,
+    "qwen3": True,
+    "opt": True,
+    "qwen2_moe": True,
+    "granitemoe": True,
+    "deepseek_v2": True,
+    "mixtral": False,
+    "deepseek_v3": False,
+}
+
+
+@pytest.mark.parametrize("arch", list(DEFAULT_RUNNER))
+def test_default_selection_dense_and_moe(monkeypatch, tiny_model, arch, caplog):
     monkeypatch.delenv("PDSERVE_USE_V2_MODEL_RUNNER", raising=False)
-    assert make_config(tiny_model("llama")).use_v2_model_runner is True
-    assert make_config(tiny_model("qwen2_moe")).use_v2_model_runner is True  # whitelisted MoE
-    assert make_config(tiny_model("mixtral")).use_v2_model_runner is False
+    assert make_config(tiny_model(arch)).use_v2_model_runner is DEFAULT_RUNNER[arch]
+    assert "V1 model runner instead" not in caplog.text  # the rule says V1: no fallback warning
 
 
 def test_explicit_env_wins(monkeypatch, tiny_model):

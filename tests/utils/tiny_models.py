@@ -17,6 +17,7 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     GenerationConfig,
+    GraniteMoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -38,6 +39,7 @@ TINY_ARCHS = (
     "mixtral",
     "deepseek_v2",
     "deepseek_v3",
+    "granitemoe",
 )
 VOCAB_SIZE = 512
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
@@ -109,6 +111,17 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
         return MixtralConfig(
             **{**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
         )
+    if arch == "granitemoe":
+        # Every multiplier away from 1, so that each one matters.
+        granite = dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.3,
+            logits_scaling=2.0,
+        )
+        return GraniteMoeConfig(**{**_DECODER, **granite, **overrides})
     if arch in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_config(arch, overrides)
     raise ValueError(f"Unknown tiny model architecture {arch!r}; known: {', '.join(TINY_ARCHS)}.")

@@ -96,7 +96,9 @@ class SelfAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         params_dtype: torch.dtype,
+        scale: float | None = None,
     ) -> None:
+        """`scale`: of q.k, head_dim^-0.5 unless the family says otherwise."""
         super().__init__()
         hidden_size = hf_config.hidden_size
         total_num_heads = hf_config.num_attention_heads
@@ -114,7 +116,8 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps, params_dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, params_dtype) if qk_norm else None
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5 if scale is None else scale
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale)
 
     def forward(
         self,
@@ -184,7 +187,10 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Input norm, attention, post-attention norm, MLP; the residual stream left unsummed."""
+    """Input norm, attention, post-attention norm, MLP; the residual stream left unsummed.
+
+    Granite scales what attention and the MLP add to the residual stream by its config's
+    residual_multiplier (HF: residual + out * multiplier)."""
 
     def __init__(
         self,
@@ -199,6 +205,7 @@ class DecoderLayer(nn.Module):
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype)
+        self.residual_multiplier = float(getattr(hf_config, "residual_multiplier", 1.0))
 
     def forward(
         self,
@@ -213,9 +220,15 @@ class DecoderLayer(nn.Module):
         hidden_states, residual = self.self_attn.forward_after_norm(
             self.input_layernorm, positions, hidden_states, residual, kv_cache, attn_metadata
         )
+        hidden_states = self._scaled(hidden_states)
         if isinstance(self.mlp, GatedMLP):
-            return self.mlp.forward_after_norm(
+            hidden_states, residual = self.mlp.forward_after_norm(
                 self.post_attention_layernorm, hidden_states, residual
             )
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        else:
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            hidden_states = self.mlp(hidden_states)
+        return self._scaled(hidden_states), residual
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier

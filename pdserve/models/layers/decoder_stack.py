@@ -17,6 +17,8 @@ def _stack_weights(layer: nn.Module) -> LayerWeights | None:
     bf16-packed projections on one TP rank."""
     if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, GatedMLP):
         return None
+    if layer.residual_multiplier != 1.0:
+        return None
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(attn, SelfAttention) or attn.q_norm is not None or attn.o_proj.tp_size > 1:
         return None

@@ -9,7 +9,17 @@ import pytest
 from pdserve import LLM, SamplingParams
 from tests.utils.tiny_models import hf_greedy
 
-ARCHS = ["llama", "qwen2", "qwen3", "opt", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
+ARCHS = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "opt",
+    "qwen2_moe",
+    "mixtral",
+    "granitemoe",
+    "deepseek_v2",
+    "deepseek_v3",
+]
 RUNNERS = {"v1": "0", "v2": "1"}
 MAX_TOKENS = 32
 PROMPT_LENS = [3, 9, 16, 17, 31, 40, 64, 95]  # block boundaries (16) and partial blocks
