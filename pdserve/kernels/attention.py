@@ -42,12 +42,18 @@ class AttentionMetadata:
 
 
 def paged_attention_torch(
-    query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache.
 
     The reference pads every request's queries and gathered keys to the batch maximum and
-    runs one masked SDPA: simple and exact, at the cost of padding work.
+    runs one masked SDPA (soft-capped scores: the same steps written out): simple and exact, at
+    the cost of padding work.
     """
     num_reqs = md.num_reqs
     num_tokens = md.num_actual_tokens
@@ -84,14 +90,20 @@ def paged_attention_torch(
     mask = (k_positions[None, None, :] <= q_positions[:, :, None]) & (
         k_positions[None, None, :] < seq_lens[:, None, None]
     )
-    out = F.scaled_dot_product_attention(
-        padded_q.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    ).transpose(1, 2)
+    if window:  # the last `window` keys, its own included
+        mask &= k_positions[None, None, :] > q_positions[:, :, None] - window
+    q, k, v = padded_q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if softcap:
+        k, v = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k, v))
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        scores = (scores / softcap).tanh() * softcap
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2)
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=num_heads != num_kv_heads
+        ).transpose(1, 2)
     if token_req is None:
         return out[:, 0]
     return out[token_req, token_pos]
@@ -118,7 +130,7 @@ class Geometry(ctypes.Structure):
             "stride_slot",
             "stride_block_table",
         )
-    ] + [("scale", ctypes.c_float)]
+    ] + [("scale", ctypes.c_float), ("window", ctypes.c_int64), ("softcap", ctypes.c_float)]
 
     @classmethod
     def of(
@@ -130,6 +142,8 @@ class Geometry(ctypes.Structure):
         stride_q_token: int,
         stride_out_token: int,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Geometry:
         """The kernel's view of a layer's cache (checked to be one), and of the batch's tables."""
         assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim, (
@@ -149,6 +163,8 @@ class Geometry(ctypes.Structure):
             kv_cache.stride(2),
             block_table.stride(0),
             scale,
+            window,
+            softcap,
         )
 
 
@@ -165,7 +181,12 @@ def _cpu_kernel() -> ctypes._CFuncPtr | None:
 
 
 def paged_attention_cpu(
-    query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """The C++ kernel of csrc/paged_attention_cpu.cpp: reads keys and values through the block
     table in place, every query token against its keys in order whatever the batch (batch
@@ -181,7 +202,9 @@ def paged_attention_cpu(
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         query = query.contiguous()
     out = query.new_empty(md.num_actual_tokens, num_heads, head_dim)
-    geometry = Geometry.of(kv_cache, md, num_heads, head_dim, query.stride(0), out.stride(0), scale)
+    geometry = Geometry.of(
+        kv_cache, md, num_heads, head_dim, query.stride(0), out.stride(0), scale, window, softcap
+    )
     qsl, seq_lens = as_int32(md.query_start_loc), as_int32(md.seq_lens)
     kernel(
         dtype,
@@ -212,6 +235,8 @@ def rope_attention_cpu(
     num_heads: int,
     head_dim: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """A layer's attention from its q/k/v projection [T, (num_heads + 2 kv heads) head_dim] in one
     native call: rotary embedding, the cache write, paged attention, each the same code as its
@@ -235,7 +260,9 @@ def rope_attention_cpu(
     table = cos_sin_cache.contiguous()
     slot_mapping = md.slot_mapping.contiguous()
     out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
-    geometry = Geometry.of(kv_cache, md, num_heads, head_dim, 0, out.stride(0), scale)
+    geometry = Geometry.of(
+        kv_cache, md, num_heads, head_dim, 0, out.stride(0), scale, window, softcap
+    )
     qsl, seq_lens = as_int32(md.query_start_loc), as_int32(md.seq_lens)
     fn(
         qkv.data_ptr(),
@@ -257,14 +284,21 @@ def rope_attention_cpu(
 
 
 def paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache;
-    returns [md.num_actual_tokens, num_heads, head_dim] in the query's dtype."""
+    returns [md.num_actual_tokens, num_heads, head_dim] in the query's dtype. `window`: a query
+    sees its last `window` keys, itself included (0: all); `softcap`: scores become
+    softcap * tanh(score / softcap) before the softmax (0: not)."""
     if backend.use_triton(query.device):
-        return paged_attention_triton(query, kv_cache, md, scale)
+        return paged_attention_triton(query, kv_cache, md, scale, window=window, softcap=softcap)
     if backend.use_cpu_kernels(query.device):
-        out = paged_attention_cpu(query, kv_cache, md, scale)
+        out = paged_attention_cpu(query, kv_cache, md, scale, window, softcap)
         if out is not None:
             return out
-    return paged_attention_torch(query, kv_cache, md, scale)
+    return paged_attention_torch(query, kv_cache, md, scale, window, softcap)

@@ -30,6 +30,9 @@ class GraniteMoeForCausalLM(MixtralForCausalLM):
             scale=self.config.attention_multiplier,
         )
 
+    def _embedding_multiplier(self) -> float:
+        return self.config.embedding_multiplier
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden_states) / self.config.logits_scaling
 

@@ -42,12 +42,11 @@ class LlamaModel(nn.Module):
         self,
         hf_config: PretrainedConfig,
         params_dtype: torch.dtype,
-        make_attention: Callable[[RotaryEmbedding], nn.Module],
-        make_mlp: Callable[[int], nn.Module],
+        make_layer: Callable[[int, RotaryEmbedding], nn.Module],
         tie_word_embeddings: bool,
+        embedding_multiplier: float,
     ) -> None:
         super().__init__()
-        warn_sliding_window(hf_config)
         self.is_first_stage, self.is_last_stage = is_first_stage(), is_last_stage()
         # A tied head is the embedding, so the last stage holds it too.
         if self.is_first_stage or (tie_word_embeddings and self.is_last_stage):
@@ -65,17 +64,14 @@ class LlamaModel(nn.Module):
         )
         self.start_layer, self.end_layer, self.layers = make_layers(
             hf_config.num_hidden_layers,
-            lambda i: DecoderLayer(
-                make_attention(self.rotary_emb), make_mlp(i), hf_config, params_dtype
-            ),
+            lambda i: make_layer(i, self.rotary_emb),
         )
         self.norm = (
             RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype)
             if self.is_last_stage
             else PPMissingLayer()
         )
-        # Granite scales the embeddings.
-        self.embedding_multiplier = float(getattr(hf_config, "embedding_multiplier", 1.0))
+        self.embedding_multiplier = embedding_multiplier
         self._stack: DecoderStack | None = None
         self._stack_checked = False
 
@@ -135,14 +131,22 @@ class LlamaForCausalLM(nn.Module):
     )
     # Checkpoint expert projection name -> (FusedMoE parameter, shard id); MoE models set it.
     expert_params: ClassVar[dict[str, tuple[str, str]]] = {}
+    # Whether the family's layers attend through the config's sliding window (else: a warning).
+    honours_sliding_window: ClassVar[bool] = False
 
     def __init__(self, hf_config: PretrainedConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = hf_config
         self.params_dtype = dtype
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.honours_sliding_window:
+            warn_sliding_window(hf_config)
         self.model = LlamaModel(
-            hf_config, dtype, self._make_attention, self._make_mlp, self.tie_word_embeddings
+            hf_config,
+            dtype,
+            self._make_layer,
+            self.tie_word_embeddings,
+            self._embedding_multiplier(),
         )
         if not is_last_stage():
             self.lm_head = PPMissingLayer()
@@ -150,6 +154,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+
+    def _make_layer(self, layer_idx: int, rotary_emb: RotaryEmbedding) -> nn.Module:
+        return DecoderLayer(
+            self._make_attention(rotary_emb),
+            self._make_mlp(layer_idx),
+            self.config,
+            self.params_dtype,
+        )
+
+    def _embedding_multiplier(self) -> float:
+        """What the embeddings are scaled by (Granite and Gemma scale them)."""
+        return 1.0
 
     def _attention_biases(self) -> tuple[bool, bool]:
         """(q/k/v bias, o bias)."""

@@ -33,6 +33,7 @@ MODELS: Registry[type[nn.Module]] = Registry(
         "Qwen2ForCausalLM": "pdserve.models.llama:Qwen2ForCausalLM",
         "Qwen3ForCausalLM": "pdserve.models.llama:Qwen3ForCausalLM",
         "OPTForCausalLM": "pdserve.models.opt:OPTForCausalLM",
+        "Gemma2ForCausalLM": "pdserve.models.gemma2:Gemma2ForCausalLM",
         "Qwen2MoeForCausalLM": "pdserve.models.qwen2_moe:Qwen2MoeForCausalLM",
         "MixtralForCausalLM": "pdserve.models.mixtral:MixtralForCausalLM",
         "GraniteMoeForCausalLM": "pdserve.models.granitemoe:GraniteMoeForCausalLM",

@@ -78,6 +78,7 @@ DEFAULT_RUNNER = {
     "llama": True,
     "qwen3": True,
     "opt": True,
+    "gemma2": True,
     "qwen2_moe": True,
     "granitemoe": True,
     "deepseek_v2": True,

@@ -16,6 +16,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    Gemma2Config,
     GenerationConfig,
     GraniteMoeConfig,
     LlamaConfig,
@@ -40,6 +41,7 @@ TINY_ARCHS = (
     "deepseek_v2",
     "deepseek_v3",
     "granitemoe",
+    "gemma2",
 )
 VOCAB_SIZE = 512
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
@@ -111,6 +113,20 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
         return MixtralConfig(
             **{**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
         )
+    if arch == "gemma2":
+        # A window shorter than the tests' prompts on the first layer, full attention on the
+        # second; the caps where the tiny model's scores and logits reach them.
+        gemma = dict(
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=10.0,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        )
+        return Gemma2Config(**{**_DECODER, **gemma, **overrides})
     if arch == "granitemoe":
         # Every multiplier away from 1, so that each one matters.
         granite = dict(

@@ -82,7 +82,7 @@ def _merge(m_i, l_i, acc, m_s, l_s, acc_s):
 
 # The request count, the split count and the block table's row length (max_model_len's) are not
 # specialized: one binary serves every batch.
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits"])
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits", "window"])
 def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -94,6 +94,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     qk_scale,
+    softcap,
+    window,
     num_reqs,
     stride_qt,
     stride_qh,
@@ -153,6 +155,10 @@ def _paged_attention_kernel(
     q_pos = context_len + q_local
     kv_len = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    # A window: tiles wholly before the block's first query's window hold no key it sees.
+    first_tile = 0
+    if window > 0:
+        first_tile = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0) // BLOCK_N
     # Splits of SPLIT_TILES tiles (batch invariance), else num_splits equal shares. One program
     # per split, or, when the grid has one, this program runs every split in turn.
     if SPLIT_TILES > 0:
@@ -172,6 +178,7 @@ def _paged_attention_kernel(
     for s_idx in range(split_lo, split_hi):
         tile_lo = s_idx * split_tiles
         tile_hi = tl.minimum(tile_lo + split_tiles, num_tiles)
+        tile_lo = tl.maximum(tile_lo, first_tile)
         m_s = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
         l_s = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc_s = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -191,7 +198,12 @@ def _paged_attention_kernel(
                 other=0.0,
             )
             s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+            if softcap > 0:  # in the log2 domain: softcap and scores both carry log2(e)
+                s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)
+            seen = offs_n[None, :] <= q_pos[:, None]
+            if window > 0:
+                seen = seen & (offs_n[None, :] > q_pos[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_s, tl.max(s, 1))
             alpha = tl.exp2(m_s - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -287,9 +299,12 @@ def paged_attention_triton(
     scale: float,
     num_splits: int | None = None,
     batch_invariant: bool | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache
-    (Triton); num_splits overrides the split-K heuristic. batch_invariant (default:
+    (Triton), over each query's last `window` keys (0: all), scores soft-capped at `softcap`
+    (0: not); num_splits overrides the split-K heuristic. batch_invariant (default:
     PDSERVE_BATCH_INVARIANT) splits every query's keys at BATCH_INVARIANT_SPLIT tokens instead;
     num_splits (or the heuristic) then only chooses whether those splits run in a program each
     (> 1) or one after another (1), which gives the same bits."""
@@ -345,6 +360,8 @@ def paged_attention_triton(
         md.query_start_loc,
         md.seq_lens,
         scale * _LOG2E,
+        softcap * _LOG2E,
+        window,
         md.num_reqs,
         *query.stride(),
         *kv_cache.stride(),

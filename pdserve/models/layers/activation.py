@@ -20,6 +20,25 @@ class SiluAndMul(nn.Module):
         return F.silu(x[..., :d]) * x[..., d:]
 
 
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, tanh approximation) * up (Gemma's GeGLU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+# The activations of gated MLPs, by hidden_act (HF names tanh-approximated GELU two ways).
+GATED_ACTIVATIONS: Registry[type[nn.Module]] = Registry(
+    "gated MLP activation",
+    "hidden_act",
+    {
+        "silu": "pdserve.models.layers.activation:SiluAndMul",
+        "gelu_pytorch_tanh": "pdserve.models.layers.activation:GeluTanhAndMul",
+        "gelu_tanh": "pdserve.models.layers.activation:GeluTanhAndMul",
+    },
+)
+
 ACTIVATIONS: Registry[type[nn.Module]] = Registry(
     "activation function",
     "hidden_act",
@@ -32,6 +51,8 @@ def get_act_fn(name: str) -> nn.Module:
 
 
 def check_gated_act(name: str) -> None:
-    """Gated MLPs (gate_up_proj) here compute silu; any other hidden_act would be silently wrong."""
+    """The MoE experts (fused_moe.py) compute silu; any other hidden_act would be silently wrong."""
     if name != "silu":
-        raise ValueError(f"hidden_act={name!r} is not supported for gated MLPs; supported: 'silu'.")
+        raise ValueError(
+            f"hidden_act={name!r} is not supported for MoE experts; supported: 'silu'."
+        )

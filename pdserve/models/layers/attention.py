@@ -17,12 +17,24 @@ class Attention(nn.Module):
     # A key and a value per token and KV head, each rank its own heads (mla.py's is a latent).
     latent: ClassVar[bool] = False
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> None:
+        """`window`: each query sees its last `window` keys (sliding-window layers; 0: all);
+        `softcap`: scores soft-capped to softcap * tanh(score / softcap) (0: not)."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.window = window
+        self.softcap = softcap
 
     def forward(
         self,
@@ -35,7 +47,7 @@ class Attention(nn.Module):
         """query [T, num_heads, head_dim], key/value [T, num_kv_heads, head_dim] -> [T, num_heads,
         head_dim]. Rows past attn_metadata.num_actual_tokens (batch padding) come back zero."""
         write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
-        out = paged_attention(query, kv_cache, attn_metadata, self.scale)
+        out = paged_attention(query, kv_cache, attn_metadata, self.scale, self.window, self.softcap)
         if out.shape[0] == query.shape[0]:
             return out
         padded = query.new_zeros(query.shape)

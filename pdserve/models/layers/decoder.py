@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 from pdserve.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pdserve.kernels.attention import AttentionMetadata, rope_attention_cpu
 from pdserve.kernels.cpu.norm_linear import norm_linear, norm_mlp
-from pdserve.models.layers.activation import SiluAndMul, check_gated_act
+from pdserve.models.layers.activation import GATED_ACTIVATIONS, SiluAndMul
 from pdserve.models.layers.attention import Attention
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import (
@@ -42,12 +42,11 @@ class GatedMLP(nn.Module):
         params_dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        check_gated_act(hidden_act)
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias, params_dtype
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, params_dtype)
-        self.act_fn = SiluAndMul()
+        self.act_fn = GATED_ACTIVATIONS.get(hidden_act)()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -58,16 +57,18 @@ class GatedMLP(nn.Module):
         """(self(norm(x, residual)[0]), residual + x): one native call where it applies."""
         down = self.down_proj
         reduce = down.tp_size > 1  # each rank holds a partial sum; the bias counts once
-        fused = norm_mlp(
-            x,
-            residual,
-            norm.weight,
-            norm.variance_epsilon,
-            self.gate_up_proj.packed_weight,
-            self.gate_up_proj.bias,
-            down.packed_weight,
-            None if reduce else down.bias,
-        )
+        fused = None
+        if isinstance(self.act_fn, SiluAndMul):  # the native call computes silu
+            fused = norm_mlp(
+                x,
+                residual,
+                norm.weight,
+                norm.variance_epsilon,
+                self.gate_up_proj.packed_weight,
+                self.gate_up_proj.bias,
+                down.packed_weight,
+                None if reduce else down.bias,
+            )
         if fused is None:
             x, residual = norm(x, residual)
             return self(x), residual
@@ -97,8 +98,11 @@ class SelfAttention(nn.Module):
         qk_norm: bool,
         params_dtype: torch.dtype,
         scale: float | None = None,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
-        """`scale`: of q.k, head_dim^-0.5 unless the family says otherwise."""
+        """`scale`: of q.k, head_dim^-0.5 unless the family says otherwise; `window` and
+        `softcap`: Attention's."""
         super().__init__()
         hidden_size = hf_config.hidden_size
         total_num_heads = hf_config.num_attention_heads
@@ -117,7 +121,9 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, params_dtype) if qk_norm else None
         self.rotary_emb = rotary_emb
         scale = self.head_dim**-0.5 if scale is None else scale
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.num_kv_heads, scale, window, softcap
+        )
 
     def forward(
         self,
@@ -170,6 +176,8 @@ class SelfAttention(nn.Module):
                 self.num_heads,
                 self.head_dim,
                 self.attn.scale,
+                self.attn.window,
+                self.attn.softcap,
             )
             if out is not None:
                 return self.o_proj(out)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels.cpu.decoder_stack import DecoderStack, LayerWeights
+from pdserve.models.layers.activation import SiluAndMul
 from pdserve.models.layers.decoder import DecoderLayer, GatedMLP, SelfAttention
 
 
@@ -17,10 +18,12 @@ def _stack_weights(layer: nn.Module) -> LayerWeights | None:
     bf16-packed projections on one TP rank."""
     if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, GatedMLP):
         return None
-    if layer.residual_multiplier != 1.0:
+    if layer.residual_multiplier != 1.0 or not isinstance(layer.mlp.act_fn, SiluAndMul):
         return None
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(attn, SelfAttention) or attn.q_norm is not None or attn.o_proj.tp_size > 1:
+        return None
+    if attn.attn.window or attn.attn.softcap:  # the stack attends to every key, uncapped
         return None
     packed = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
     if any(p.packed_weight is None for p in packed):

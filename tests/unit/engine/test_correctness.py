@@ -14,6 +14,7 @@ ARCHS = [
     "qwen2",
     "qwen3",
     "opt",
+    "gemma2",
     "qwen2_moe",
     "mixtral",
     "granitemoe",

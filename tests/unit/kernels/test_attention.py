@@ -126,6 +126,26 @@ def test_split_kv_matches_unsplit(reqs: list[tuple[int, int]], num_splits: int) 
     torch.testing.assert_close(split, unsplit, atol=1e-6, rtol=1e-6)
 
 
+# Gemma2's attention: a window shorter than most requests' context (its keys start mid-block
+# and mid-tile), logits capped where the scores reach it.
+WINDOWED = [(1, 20), (7, 9), (1, 63), (13, 0), (40, 50), (1, 150)]
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(10, 0.0), (0, 1.5), (37, 1.5)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_window_and_softcap_match_reference(window: int, softcap: float, num_splits: int) -> None:
+    query, kv_cache, md = _batch(WINDOWED, head_dim=16)
+    query = query * 3  # scores past the cap
+    scale = 16**-0.5
+    out = paged_attention_triton(
+        query, kv_cache, md, scale, num_splits=num_splits, window=window, softcap=softcap
+    )
+    expected = paged_attention_torch(query, kv_cache, md, scale, window, softcap)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+    # Neither is a no-op here.
+    assert not torch.allclose(expected, paged_attention_torch(query, kv_cache, md, scale))
+
+
 def _select(
     query: torch.Tensor, md: AttentionMetadata, reqs: list[int]
 ) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -202,7 +222,9 @@ def test_split_heuristic() -> None:
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_dispatch_follows_forced_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(attention, "paged_attention_triton", lambda *args: calls.append("triton"))
+    monkeypatch.setattr(
+        attention, "paged_attention_triton", lambda *args, **kwargs: calls.append("triton")
+    )
     monkeypatch.setattr(attention, "paged_attention_torch", lambda *args: calls.append("torch"))
     monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", backend)
     query, kv_cache, md = _batch([(1, 3)])

@@ -21,7 +21,7 @@ from pdserve.kernels.cpu import native
 from pdserve.kernels.kv_cache import write_kv_cache
 from pdserve.kernels.rotary import rotary_embedding
 from pdserve.models.layers.rotary_embedding import get_rope
-from tests.unit.kernels.test_attention import MIXED, TOLERANCE, _batch
+from tests.unit.kernels.test_attention import MIXED, TOLERANCE, WINDOWED, _batch, _select
 
 pytestmark = pytest.mark.skipif(
     not native.compiler_available(), reason="no C++ compiler on this machine"
@@ -43,6 +43,29 @@ def _check(query: torch.Tensor, kv_cache: torch.Tensor, md: attention.AttentionM
 def test_mixed_batch_matches_reference(dtype: torch.dtype, group: int, head_dim: int) -> None:
     # Padding rows past the last request's tokens stay out of the output.
     _check(*_batch(MIXED, group=group, head_dim=head_dim, dtype=dtype, num_padding_tokens=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(10, 0.0), (0, 1.5), (37, 1.5)])
+def test_window_and_softcap_match_reference(
+    dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    """Both the vector paths (bf16 16 keys at a time, head 32) and the scalar ones (head 24),
+    each query's result the same alone as in its batch."""
+    for head_dim in (32, 24):
+        query, kv_cache, md = _batch(WINDOWED, head_dim=head_dim, dtype=dtype, block_size=4)
+        query = query * 3  # scores past the cap
+        scale = head_dim**-0.5
+        out = paged_attention_cpu(query, kv_cache, md, scale, window, softcap)
+        assert out is not None
+        expected = paged_attention_torch(
+            query.float(), kv_cache.float(), md, scale, window, softcap
+        )
+        torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
+        last = len(WINDOWED) - 1
+        alone_query, alone = _select(query, md, [last])
+        alone_out = paged_attention_cpu(alone_query, kv_cache, alone, scale, window, softcap)
+        assert torch.equal(alone_out, out[int(md.query_start_loc[last]) :])
 
 
 def test_shapes_off_the_vector_path() -> None:

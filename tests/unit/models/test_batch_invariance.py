@@ -26,7 +26,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2_moe", "deepseek_v2"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma2", "qwen2_moe", "deepseek_v2"])
 def arch(request: pytest.FixtureRequest) -> str:
     return request.param
 

@@ -29,6 +29,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
     ("qwen2_moe", {}),
     ("mixtral", {}),
+    ("gemma2", {}),
     ("granitemoe", {}),
     ("deepseek_v2", {}),
     # DeepSeek-V2-Lite's routing: plain top-k of the softmax.

@@ -88,7 +88,22 @@ struct Geometry {
   int64_t stride_q_token, stride_out_token;
   int64_t stride_block, stride_kv, stride_slot, stride_block_table;
   float scale;
+  // A query sees its last `window` keys, itself included (0: all); scores are soft-capped to
+  // softcap * tanh(score / softcap) before the softmax (0: not).
+  int64_t window;
+  float softcap;
 };
+
+// The first of a query's `num_keys` causal keys that its window lets it see.
+inline int64_t first_key(int64_t num_keys, const Geometry& g) {
+  return g.window > 0 ? std::max<int64_t>(0, num_keys - g.window) : 0;
+}
+
+inline void soft_cap(float* scores, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] * inv);
+}
 
 template <typename K>
 void attend(const typename K::T* query, const typename K::T* cache, const int32_t* block_table,
@@ -111,25 +126,28 @@ void attend(const typename K::T* query, const typename K::T* cache, const int32_
     const int64_t context = seq_lens[req] - (q_end - q_begin);
     for (int64_t token = run.begin; token < run.end; ++token) {
       const int64_t num_keys = context + (token - q_begin) + 1;  // causal: up to its own position
-      scores.resize(group * num_keys);
+      const int64_t first = first_key(num_keys, g), seen = num_keys - first;
+      scores.resize(group * seen);
       for (int64_t h = 0; h < group; ++h) {
         const T* src = query + token * g.stride_q_token + (kv_head * group + h) * dim;
         for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = K::load(src[d]) * g.scale;
       }
       // Keys once each, scored against every query head of the group. Block by block: a
       // division per key would cost more than its dot products.
-      for (int64_t t = 0, b = 0; t < num_keys; ++b) {
-        const T* key = cache + int64_t(table[b]) * g.stride_block + kv_head * dim;
-        for (const int64_t end = std::min(t + g.block_size, num_keys); t < end;) {
+      for (int64_t t = first, b = first / g.block_size; t < num_keys; ++b) {
+        const T* key = cache + int64_t(table[b]) * g.stride_block + kv_head * dim +
+                       (t - b * g.block_size) * g.stride_slot;
+        for (const int64_t end = std::min((b + 1) * g.block_size, num_keys); t < end;) {
           const int64_t n = std::min<int64_t>(4, end - t);
           // Converted once here, not once per query head.
           for (int64_t i = 0; i < n; ++i, key += g.stride_slot)
             for (int64_t d = 0; d < dim; ++d) row[i * dim + d] = K::load(key[d]);
-          score_keys<F32>(q.data(), row.data(), dim, n, group, dim, &scores[t], num_keys);
+          score_keys<F32>(q.data(), row.data(), dim, n, group, dim, &scores[t - first], seen);
           t += n;
         }
       }
-      softmax_rows(scores.data(), group, num_keys);
+      soft_cap(scores.data(), group * seen, g.softcap);
+      softmax_rows(scores.data(), group, seen);
       std::fill(acc.begin(), acc.end(), 0.f);
 #ifdef __AVX512F__
       // 16 columns at a time over all keys, the group's sums in registers.
@@ -137,27 +155,28 @@ void attend(const typename K::T* query, const typename K::T* cache, const int32_
         for (int64_t c = 0; c < dim; c += 16) {
           __m512 sums[8];
           for (int64_t h = 0; h < group; ++h) sums[h] = _mm512_setzero_ps();
-          for (int64_t t = 0, b = 0; t < num_keys; ++b) {
+          for (int64_t t = first, b = first / g.block_size; t < num_keys; ++b) {
             const T* value = cache + int64_t(table[b]) * g.stride_block + g.stride_kv +
-                             kv_head * dim + c;
-            for (const int64_t end = std::min(t + g.block_size, num_keys); t < end; ++t) {
+                             kv_head * dim + c + (t - b * g.block_size) * g.stride_slot;
+            for (const int64_t end = std::min((b + 1) * g.block_size, num_keys); t < end; ++t) {
               const __m512 v = K::load16(value);
               value += g.stride_slot;
               for (int64_t h = 0; h < group; ++h)
-                sums[h] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * num_keys + t]), v, sums[h]);
+                sums[h] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * seen + t - first]), v, sums[h]);
             }
           }
           for (int64_t h = 0; h < group; ++h) _mm512_storeu_ps(&acc[h * dim + c], sums[h]);
         }
       } else
 #endif
-      for (int64_t t = 0, b = 0; t < num_keys; ++b) {
-        const T* value = cache + int64_t(table[b]) * g.stride_block + g.stride_kv + kv_head * dim;
-        for (const int64_t end = std::min(t + g.block_size, num_keys); t < end; ++t) {
+      for (int64_t t = first, b = first / g.block_size; t < num_keys; ++b) {
+        const T* value = cache + int64_t(table[b]) * g.stride_block + g.stride_kv + kv_head * dim +
+                         (t - b * g.block_size) * g.stride_slot;
+        for (const int64_t end = std::min((b + 1) * g.block_size, num_keys); t < end; ++t) {
           for (int64_t d = 0; d < dim; ++d) row[d] = K::load(value[d]);
           value += g.stride_slot;
           for (int64_t h = 0; h < group; ++h) {
-            const float p = scores[h * num_keys + t];
+            const float p = scores[h * seen + t - first];
             float* a = &acc[h * dim];
             for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
           }
@@ -230,25 +249,26 @@ inline void prefetch_block(const uint16_t* rows, const Geometry& g) {
 // acc[h * dim + c..] += sum_t p[h][t] * value_t[c..] for CH 16-column chunks from column c, all
 // keys, the G heads' sums in registers.
 template <int G, int CH>
-inline void accumulate_values(const uint16_t* cache, const int32_t* table, int64_t num_keys,
-                              const Geometry& g, int64_t kv_head, int64_t c, const float* scores,
-                              float* acc) {
+inline void accumulate_values(const uint16_t* cache, const int32_t* table, int64_t first,
+                              int64_t num_keys, const Geometry& g, int64_t kv_head, int64_t c,
+                              const float* scores, float* acc) {
+  const int64_t seen = num_keys - first;
   __m512 sums[G][CH];
   for (int h = 0; h < G; ++h)
     for (int j = 0; j < CH; ++j) sums[h][j] = _mm512_setzero_ps();
-  for (int64_t t = 0, b = 0; t < num_keys; ++b) {
-    const uint16_t* value =
-        cache + int64_t(table[b]) * g.stride_block + g.stride_kv + kv_head * g.head_dim + c;
-    if (c == 0 && t + g.block_size < num_keys)  // the later column passes find them cached
+  for (int64_t t = first, b = first / g.block_size; t < num_keys; ++b) {
+    const uint16_t* value = cache + int64_t(table[b]) * g.stride_block + g.stride_kv +
+                            kv_head * g.head_dim + c + (t - b * g.block_size) * g.stride_slot;
+    if (c == 0 && (b + 1) * g.block_size < num_keys)  // the later passes find them cached
       prefetch_block(cache + int64_t(table[b + 1]) * g.stride_block + g.stride_kv +
                          kv_head * g.head_dim,
                      g);
-    for (const int64_t end = std::min(t + g.block_size, num_keys); t < end; ++t) {
+    for (const int64_t end = std::min((b + 1) * g.block_size, num_keys); t < end; ++t) {
       __m512 v[CH];
       for (int j = 0; j < CH; ++j) v[j] = BF16::load16(value + 16 * j);
       value += g.stride_slot;
       for (int h = 0; h < G; ++h) {
-        const __m512 p = _mm512_set1_ps(scores[h * num_keys + t]);
+        const __m512 p = _mm512_set1_ps(scores[h * seen + t - first]);
         for (int j = 0; j < CH; ++j) sums[h][j] = _mm512_fmadd_ps(p, v[j], sums[h][j]);
       }
     }
@@ -258,23 +278,24 @@ inline void accumulate_values(const uint16_t* cache, const int32_t* table, int64
 }
 
 template <int G>
-void accumulate_all_values(const uint16_t* cache, const int32_t* table, int64_t num_keys,
-                           const Geometry& g, int64_t kv_head, const float* scores, float* acc) {
+void accumulate_all_values(const uint16_t* cache, const int32_t* table, int64_t first,
+                           int64_t num_keys, const Geometry& g, int64_t kv_head,
+                           const float* scores, float* acc) {
   // As many columns per pass as keep the sums in registers: G * CH of 32 zmm.
   constexpr int CH = G <= 4 ? 4 : 2;
   int64_t c = 0;
   for (; c + 16 * CH <= g.head_dim; c += 16 * CH)
-    accumulate_values<G, CH>(cache, table, num_keys, g, kv_head, c, scores, acc);
+    accumulate_values<G, CH>(cache, table, first, num_keys, g, kv_head, c, scores, acc);
   for (; c < g.head_dim; c += 16)
-    accumulate_values<G, 1>(cache, table, num_keys, g, kv_head, c, scores, acc);
+    accumulate_values<G, 1>(cache, table, first, num_keys, g, kv_head, c, scores, acc);
 }
 
 void attend_bf16(const uint16_t* query, const uint16_t* cache, const int32_t* block_table,
                  const int32_t* query_start_loc, const int32_t* seq_lens, uint16_t* out,
                  int64_t num_reqs, int num_threads, const Geometry& g) {
   const int64_t group = g.num_heads / g.num_kv_heads, dim = g.head_dim;
-  using Accumulate = void (*)(const uint16_t*, const int32_t*, int64_t, const Geometry&, int64_t,
-                              const float*, float*);
+  using Accumulate = void (*)(const uint16_t*, const int32_t*, int64_t, int64_t,
+                              const Geometry&, int64_t, const float*, float*);
   static constexpr Accumulate kAccumulate[8] = {
       accumulate_all_values<1>, accumulate_all_values<2>, accumulate_all_values<3>,
       accumulate_all_values<4>, accumulate_all_values<5>, accumulate_all_values<6>,
@@ -297,24 +318,28 @@ void attend_bf16(const uint16_t* query, const uint16_t* cache, const int32_t* bl
     const int64_t context = seq_lens[req] - (q_end - q_begin);
     for (int64_t token = run.begin; token < run.end; ++token) {
       const int64_t num_keys = context + (token - q_begin) + 1;  // causal: up to its own position
+      const int64_t first = first_key(num_keys, g), seen = num_keys - first;
       // Rounded up to whole vectors: the last store of a row may write (and then ignore) lanes
-      // past num_keys, never into the next head's row.
-      scores.resize(group * num_keys + 16);
+      // past its keys, never into the next head's row.
+      scores.resize(group * seen + 16);
       std::memcpy(q.data(), query + token * g.stride_q_token + kv_head * group * dim,
                   group * dim * sizeof(uint16_t));
-      for (int64_t t = 0, b = 0; t < num_keys; ++b) {
-        const uint16_t* key = cache + int64_t(table[b]) * g.stride_block + kv_head * dim;
-        if (t + g.block_size < num_keys)
+      for (int64_t t = first, b = first / g.block_size; t < num_keys; ++b) {
+        const uint16_t* key = cache + int64_t(table[b]) * g.stride_block + kv_head * dim +
+                              (t - b * g.block_size) * g.stride_slot;
+        if ((b + 1) * g.block_size < num_keys)
           prefetch_block(cache + int64_t(table[b + 1]) * g.stride_block + kv_head * dim, g);
-        for (const int64_t end = std::min(t + g.block_size, num_keys); t < end;) {
+        for (const int64_t end = std::min((b + 1) * g.block_size, num_keys); t < end;) {
           const int64_t n = std::min<int64_t>(16, end - t);
-          score16_bf16(q.data(), key, g.stride_slot, n, group, dim, g.scale, &scores[t], num_keys);
+          score16_bf16(q.data(), key, g.stride_slot, n, group, dim, g.scale, &scores[t - first],
+                       seen);
           key += n * g.stride_slot;
           t += n;
         }
       }
-      softmax_rows(scores.data(), group, num_keys);
-      accumulate(cache, table, num_keys, g, kv_head, scores.data(), acc.data());
+      soft_cap(scores.data(), group * seen, g.softcap);
+      softmax_rows(scores.data(), group, seen);
+      accumulate(cache, table, first, num_keys, g, kv_head, scores.data(), acc.data());
       for (int64_t h = 0; h < group; ++h) {
         uint16_t* dst = out + token * g.stride_out_token + (kv_head * group + h) * dim;
         for (int64_t d = 0; d < dim; ++d) dst[d] = BF16::store(acc[h * dim + d]);
