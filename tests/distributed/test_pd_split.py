@@ -37,6 +37,11 @@ CASES = [
     pytest.param("llama", "nixl", 2, 1, "0", id="llama-nixl-tp2-tp1-v1", marks=pytest.mark.slow),
     pytest.param("llama", "ucx", 1, 2, "0", id="llama-ucx-tp1-tp2-v1", marks=pytest.mark.slow),
     pytest.param("llama", "ucx", 2, 1, "1", id="llama-ucx-tp2-tp1-v2", marks=pytest.mark.slow),
+    # The other families once each: Gemma2's windowed and soft-capped layers, GraniteMoE's.
+    pytest.param("gemma2", "nixl", 1, 1, "1", id="gemma2-nixl-tp1-tp1-v2", marks=pytest.mark.slow),
+    pytest.param(
+        "granitemoe", "ucx", 1, 1, "0", id="granite-ucx-tp1-tp1-v1", marks=pytest.mark.slow
+    ),
     pytest.param("deepseek_v2", "ucx", 1, 1, "1", id="mla-ucx-tp1-tp1-v2", marks=pytest.mark.slow),
     pytest.param(
         "deepseek_v2", "nixl", 1, 2, "0", id="mla-nixl-tp1-tp2-v1", marks=pytest.mark.slow
