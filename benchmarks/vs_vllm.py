@@ -66,15 +66,69 @@ from throughput import make_prompts  # noqa: E402
 DRIVER = Path(__file__).with_name("vs_vllm_driver.py")
 DEFAULT_VLLM_PYTHON = Path("/work/vllmenv/bin/python")
 DEFAULT_CACHE_DIR = Path(tempfile.gettempdir()) / "pdserve-bench"
-# hidden 256 over 4 heads: head size 64, which vLLM's CPU attention supports.
-TINY_OVERRIDES = {"hidden_size": 256, "intermediate_size": 512}
+# Random-weight models built by HF transformers (tests/utils/tiny_models.py's configs with
+# these shapes), each cached as an HF folder: (family, overrides). vLLM's CPU attention takes
+# head sizes 32..512.
+RANDOM_MODELS = {
+    # hidden 256 over 4 heads: head size 64.
+    "tiny": ("llama", {"hidden_size": 256, "intermediate_size": 512}),
+    # About 110M parameters: 12 layers, 8 heads of 128 over 4 KV heads, every other layer
+    # windowed to 128 tokens (shorter than a prompt and its output), Gemma2's soft-caps.
+    "gemma2": (
+        "gemma2",
+        {
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "query_pre_attn_scalar": 128,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * 6,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    # About 130M parameters, DeepSeek-V2-Lite's shape scaled down: MLA (no q_lora_rank, its
+    # latent of 512 + 64: the one vLLM's CPU MLA decode kernel takes), a dense first layer,
+    # then 16 routed experts (top 4 of plain softmax routing, greedy as V2-Lite) beside 2
+    # shared ones.
+    "deepseek_v2": (
+        "deepseek_v2",
+        {
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "q_lora_rank": None,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 64,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 512,
+            "n_shared_experts": 2,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+}
 ENGINES = ("pdserve", "vllm")
 LOG_TAIL_LINES = 40
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared with benchmarks/vs_vllm_serve.py."""
-    parser.add_argument("--model", default="default", help="default, tiny, an HF folder or .gguf")
+    parser.add_argument(
+        "--model",
+        default="default",
+        help=f"default, {', '.join(RANDOM_MODELS)} (random weights), an HF folder or .gguf",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
         "--vllm-python",
@@ -116,14 +170,15 @@ def stop_on_sigterm() -> None:
 
 def resolve_model(name: str, dtype: str, cache_dir: Path) -> Path:
     """The HF folder both engines load, built (and for exports, cached) on first use."""
-    if name == "tiny":
+    if name in RANDOM_MODELS:
         from tests.utils.tiny_models import make_tiny_model
 
-        path = cache_dir / "tiny-llama-h64"
+        family, overrides = RANDOM_MODELS[name]
+        path = cache_dir / f"random-{name}"
         if not path.exists():
             # Seeded, so every build holds the same weights; renamed into place when complete.
             with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-                os.replace(make_tiny_model("llama", Path(tmp) / "tiny", **TINY_OVERRIDES), path)
+                os.replace(make_tiny_model(family, Path(tmp) / name, **overrides), path)
         return path
     if name != "default" and not name.endswith(".gguf"):
         return Path(name)
@@ -191,6 +246,20 @@ def run_engine(engine: str, job: dict, python: Path, env: dict[str, str], log: P
         return json.loads(result_path.read_text())
 
 
+def kv_bytes(model_config: object, dtype: str) -> str:
+    """The KV cache's bytes per token, every layer (the cache both engines keep); for MLA beside
+    what MHA of the same heads would keep (a key and a value per head)."""
+    size = 2 if dtype == "bfloat16" else 4
+    geometry = model_config.kv_cache_geometry
+    line = f"KV cache: {geometry.bytes_per_token(size)} bytes per token ({dtype})"
+    if not geometry.latent:
+        return line
+    hf = model_config.hf_config
+    per_head = hf.qk_nope_head_dim + hf.qk_rope_head_dim + hf.v_head_dim
+    mha = geometry.num_layers * hf.num_attention_heads * per_head * size
+    return f"{line}: MLA's latent; MHA of the same heads would keep {mha} ({mha / geometry.bytes_per_token(size):.1f}x)"
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, list[int]]:
     """(prompts with identical tokens, length of the common prefix of each prompt)."""
     prefixes = []
@@ -224,7 +293,9 @@ def main() -> None:
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     (args.cache_dir / "logs").mkdir(exist_ok=True)
     model = resolve_model(args.model, args.dtype, args.cache_dir)
-    tokenizer = loader.load_tokenizer(ModelConfig(model=str(model)).source)
+    model_config = ModelConfig(model=str(model))
+    print(kv_bytes(model_config, args.dtype))
+    tokenizer = loader.load_tokenizer(model_config.source)
     job = {
         "prompts": make_prompts(tokenizer, args.num_prompts),
         "output_len": args.output_len,

@@ -1,5 +1,5 @@
-"""Calls into csrc/elementwise_cpu.cpp: RMSNorm, rotary embedding, SiLU-and-mul and a sigmoid
-gate on CPU in one pass each, in bfloat16 and float32. Each element's result depends only on its
+"""Calls into csrc/elementwise_cpu.cpp: RMSNorm, rotary embedding, SiLU- and GELU(tanh)-and-mul
+and a sigmoid gate on CPU in one pass each, in bfloat16 and float32. Each element's result depends only on its
 row: torch's float32 kernels run a batch's last elements (and each thread's) through scalar
 code whose exp differs from the vector one in the last bit, so their bits would depend on the
 batch (batch invariance). Each returns None where it does not apply, and the caller runs its
@@ -104,11 +104,18 @@ def rotary_embedding(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """silu(x[..., :d]) * x[..., d:] for d = half the last dimension."""
+    return _act_and_mul("pdserve_silu_and_mul", x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """gelu(x[..., :d], tanh approximation) * x[..., d:] for d = half the last dimension."""
+    return _act_and_mul("pdserve_gelu_tanh_and_mul", x)
+
+
+def _act_and_mul(symbol: str, x: torch.Tensor) -> torch.Tensor | None:
     if not _applies(x):
         return None
-    fn = native.function(
-        "elementwise_cpu", "pdserve_silu_and_mul", _INT, _P, _P, _I64, _I64, _I64, _INT
-    )
+    fn = native.function("elementwise_cpu", symbol, _INT, _P, _P, _I64, _I64, _I64, _INT)
     if fn is None:
         return None
     x2 = _rows(x)

@@ -24,6 +24,8 @@ class GeluTanhAndMul(nn.Module):
     """gelu(gate, tanh approximation) * up (Gemma's GeGLU)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (out := elementwise_cpu.gelu_tanh_and_mul(x)) is not None:
+            return out
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 

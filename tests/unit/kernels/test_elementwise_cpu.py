@@ -5,6 +5,9 @@ on a bf16 midpoint the other way."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,14 +84,31 @@ def test_rotary_matches_reference(head_dim: int, num_tokens: int) -> None:
 
 # 1536: whole 16-lane vectors; 100: a masked tail on every row.
 @pytest.mark.parametrize(("num_rows", "width"), [(1, 1536), (64, 1536), (1024, 1536), (7, 100)])
-def test_silu_and_mul_matches_reference(num_rows: int, width: int) -> None:
+@pytest.mark.parametrize(
+    ("kernel", "act", "atol", "differing"),
+    [
+        (elementwise_cpu.silu_and_mul, F.silu, 0.0, 0.01),
+        # g * sigmoid(2y) for 0.5 g (1 + tanh(y)): where torch's tanh is -1 exactly the kernel
+        # leaves a few 1e-7 times the up projection (an eighth of the elements of large negative gates).
+        (
+            elementwise_cpu.gelu_tanh_and_mul,
+            functools.partial(F.gelu, approximate="tanh"),
+            1e-5,
+            0.15,
+        ),
+    ],
+    ids=["silu", "gelu_tanh"],
+)
+def test_act_and_mul_matches_reference(
+    num_rows: int, width: int, kernel: Callable, act: Callable, atol: float, differing: float
+) -> None:
     x = _randn(num_rows, 2 * width) * 4
-    out = elementwise_cpu.silu_and_mul(x)
+    out = kernel(x)
     assert out is not None
-    expected = F.silu(x[:, :width]) * x[:, width:]
-    # One step of bf16 (2**-8 relative) in silu, one more in the product.
-    torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=2**-6)
-    assert (out != expected).float().mean() < 0.01
+    expected = act(x[:, :width]) * x[:, width:]
+    # One step of bf16 (2**-8 relative) in the activation, one more in the product.
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=2**-6)
+    assert (out != expected).float().mean() < differing
 
 
 def test_float32_runs_the_kernels_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,6 +120,10 @@ def test_float32_runs_the_kernels_per_row(monkeypatch: pytest.MonkeyPatch) -> No
     torch.testing.assert_close(alone, F.silu(x[:, :24]) * x[:, 24:], atol=1e-6, rtol=1e-5)
     for rows in (2, 3, 5, 17, 37):
         assert torch.equal(elementwise_cpu.silu_and_mul(x[:rows]), alone[:rows])
+    gelu = torch.cat([elementwise_cpu.gelu_tanh_and_mul(x[i : i + 1]) for i in range(len(x))])
+    torch.testing.assert_close(gelu, F.gelu(x[:, :24], approximate="tanh") * x[:, 24:])
+    for rows in (2, 5, 37):
+        assert torch.equal(elementwise_cpu.gelu_tanh_and_mul(x[:rows]), gelu[:rows])
     normed, _ = elementwise_cpu.rms_norm(x, None, torch.ones(48), 1e-5)
     torch.testing.assert_close(normed, rms_norm_torch(x, torch.ones(48), 1e-5))
     gate = x[:, :1]

@@ -42,6 +42,25 @@ inline void rotate(const int64_t* positions, const typename K::T* src, typename 
   }
 }
 
+// A gated activation g * sigmoid(arg(g)): SiLU's arg is g; GELU's tanh approximation is
+// 0.5 g (1 + tanh(y)) = g * sigmoid(2y) with y = sqrt(2/pi) (g + 0.044715 g^3).
+struct Silu {
+  static float arg(float g) { return g; }
+#ifdef __AVX512F__
+  static __m512 arg16(__m512 g) { return g; }
+#endif
+};
+struct GeluTanh {
+  static constexpr float kA = 2.f * 0.7978845608028654f, kB = kA * 0.044715f;
+  static float arg(float g) { return g * (kA + kB * g * g); }
+#ifdef __AVX512F__
+  static __m512 arg16(__m512 g) {
+    return _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(kB),
+                                            _mm512_set1_ps(kA)));
+  }
+#endif
+};
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // The lanes of the 16 from element i that lie in a row of n.
 inline __mmask16 lanes(int64_t i, int64_t n) {
@@ -101,8 +120,9 @@ inline void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uin
   }
 }
 
-inline void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t d,
-                       int64_t stride_x, int num_threads) {
+template <typename Act>
+inline void act_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t d,
+                             int64_t stride_x, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * d >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* gate = x + r * stride_x;
@@ -111,16 +131,21 @@ inline void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, in
     for (int64_t i = 0; i < d; i += 16) {
       const __mmask16 m = lanes(i, d);
       const __m512 g = BF16::load16(gate + i, m);
-      const __m512 minus_g = _mm512_sub_ps(_mm512_setzero_ps(), g);
-      const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(minus_g));
+      const __m512 minus_arg = _mm512_sub_ps(_mm512_setzero_ps(), Act::arg16(g));
+      const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(minus_arg));
       // 1 / den: the 14-bit estimate and one Newton step (within an ulp; a division takes
       // longer than everything else here together).
       __m512 rcp = _mm512_rcp14_ps(den);
       rcp = _mm512_mul_ps(rcp, _mm512_fnmadd_ps(den, rcp, _mm512_set1_ps(2.f)));
-      const __m512 silu = BF16::round16(_mm512_mul_ps(g, rcp));
-      BF16::store16(o + i, _mm512_mul_ps(silu, BF16::load16(up + i, m)), m);
+      const __m512 act = BF16::round16(_mm512_mul_ps(g, rcp));
+      BF16::store16(o + i, _mm512_mul_ps(act, BF16::load16(up + i, m)), m);
     }
   }
+}
+
+inline void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t d,
+                              int64_t stride_x, int num_threads) {
+  act_and_mul_bf16<Silu>(x, out, rows, d, stride_x, num_threads);
 }
 #endif
 

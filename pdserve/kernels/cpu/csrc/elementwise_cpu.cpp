@@ -1,9 +1,10 @@
 // The small kernels between the matmuls of a decoder layer, each one pass over its rows where
 // the torch reference takes five to ten: RMSNorm (with the residual add before it), rotary
-// embedding, SiLU-and-mul, a sigmoid gate. They round where the reference rounds (after every operation in
+// embedding, SiLU- and GELU(tanh)-and-mul, a sigmoid gate. They round where the reference rounds (after every operation in
 // the activation dtype), so they differ from it only in the order of the variance sum and in
 // the last bit of SiLU's exp.
 // Built and loaded by pdserve/kernels/cpu/native.py; rows split over torch's OpenMP threads.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -15,12 +16,14 @@ namespace {
 
 using pdserve::BF16;
 using pdserve::F32;
+using pdserve::GeluTanh;
+using pdserve::Silu;
 using pdserve::kParallelMinElements;
 using pdserve::rotate;
 using pdserve::rounded;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 using pdserve::rms_norm_bf16;
-using pdserve::silu_and_mul_bf16;
+using pdserve::act_and_mul_bf16;
 #endif
 
 template <typename K>
@@ -50,9 +53,9 @@ void rms_norm(const typename K::T* x, const typename K::T* residual, const typen
   }
 }
 
-template <typename K>
-void silu_and_mul(const typename K::T* x, typename K::T* out, int64_t rows, int64_t d,
-                  int64_t stride_x, int num_threads) {
+template <typename K, typename Act>
+void act_and_mul(const typename K::T* x, typename K::T* out, int64_t rows, int64_t d,
+                 int64_t stride_x, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * d >= kParallelMinElements)
   for (int64_t r = 0; r < rows; ++r) {
     const typename K::T* gate = x + r * stride_x;
@@ -60,7 +63,9 @@ void silu_and_mul(const typename K::T* x, typename K::T* out, int64_t rows, int6
     typename K::T* o = out + r * d;
     for (int64_t i = 0; i < d; ++i) {
       const float g = K::load(gate[i]);
-      o[i] = K::store(rounded<K>(g / (1.f + std::exp(-g))) * K::load(up[i]));
+      // Capped where exp overflows: the build's fast math assumes no infinities.
+      const float e = std::exp(std::min(-Act::arg(g), 88.f));
+      o[i] = K::store(rounded<K>(g / (1.f + e)) * K::load(up[i]));
     }
   }
 }
@@ -121,19 +126,34 @@ extern "C" void pdserve_rotary(int dtype, const int64_t* positions, const void* 
                  stride_head, num_threads);
 }
 
-extern "C" void pdserve_silu_and_mul(int dtype, const void* x, void* out, int64_t rows, int64_t d,
-                                     int64_t stride_x, int num_threads) {
+namespace {
+
+template <typename Act>
+void act_and_mul_any(int dtype, const void* x, void* out, int64_t rows, int64_t d,
+                     int64_t stride_x, int num_threads) {
   if (dtype == 0)
-    silu_and_mul<F32>(static_cast<const float*>(x), static_cast<float*>(out), rows, d, stride_x,
-                      num_threads);
+    act_and_mul<F32, Act>(static_cast<const float*>(x), static_cast<float*>(out), rows, d,
+                          stride_x, num_threads);
   else
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    silu_and_mul_bf16(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, d,
-                      stride_x, num_threads);
+    act_and_mul_bf16<Act>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, d,
+                          stride_x, num_threads);
 #else
-    silu_and_mul<BF16>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, d,
-                       stride_x, num_threads);
+    act_and_mul<BF16, Act>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows,
+                           d, stride_x, num_threads);
 #endif
+}
+
+}  // namespace
+
+extern "C" void pdserve_silu_and_mul(int dtype, const void* x, void* out, int64_t rows, int64_t d,
+                                     int64_t stride_x, int num_threads) {
+  act_and_mul_any<Silu>(dtype, x, out, rows, d, stride_x, num_threads);
+}
+
+extern "C" void pdserve_gelu_tanh_and_mul(int dtype, const void* x, void* out, int64_t rows,
+                                          int64_t d, int64_t stride_x, int num_threads) {
+  act_and_mul_any<GeluTanh>(dtype, x, out, rows, d, stride_x, num_threads);
 }
 
 extern "C" void pdserve_sigmoid_mul(int dtype, const void* gate, int64_t stride_gate,
