@@ -20,7 +20,7 @@ from tests.utils.paged_batch import make_kv_cache, run_step
 from tests.utils.tiny_models import VOCAB_SIZE, hf_logits, load_hf_model, make_tiny_model
 
 TP_SIZE = 2
-ARCHS = ("llama", "qwen3", "opt", "qwen2_moe", "mixtral")
+ARCHS = ("llama", "qwen3", "opt", "gemma2", "qwen2_moe", "mixtral", "granitemoe", "deepseek_v3")
 PROMPTS = {"a": [random.Random(0).randrange(3, VOCAB_SIZE) for _ in range(9)], "b": [5, 6, 7, 8]}
 NEXT_TOKENS = {"a": [11], "b": [12]}
 

@@ -152,10 +152,7 @@ class SelfAttention(nn.Module):
         if fused is not None:
             projected, residual = fused
             return self._attend(positions, projected, kv_cache, attn_metadata), residual
-        if residual is None:
-            residual, x = x, norm(x)
-        else:
-            x, residual = norm(x, residual)
+        x, residual = norm.with_residual(x, residual)
         return self(positions, x, kv_cache, attn_metadata), residual
 
     def _attend(

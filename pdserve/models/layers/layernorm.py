@@ -37,6 +37,15 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.variance_epsilon)
         return fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
 
+    def with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normalized, the residual stream) where the stream may start here (the first layer's
+        input is its own residual)."""
+        if residual is None:
+            return self(x), x
+        return self(x, residual)
+
 
 # OPT normalizes with torch's own LayerNorm (HF does too); named here so that models find every
 # norm in one module.

@@ -142,8 +142,5 @@ class MultiHeadLatentAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The interface of DecoderLayer's attention: normalize (adding the residual), attend."""
-        if residual is None:
-            residual, x = x, norm(x)
-        else:
-            x, residual = norm(x, residual)
+        x, residual = norm.with_residual(x, residual)
         return self(positions, x, kv_cache, attn_metadata), residual

@@ -27,6 +27,9 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),  # project in and out
     ("qwen2_moe", {}),
     ("mixtral", {}),
+    # Three layers: sliding, full, sliding; Gemma's norms and caps on the last stage.
+    ("gemma2", {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    ("deepseek_v2", {}),  # a dense first stage, MoE after, the latent cache
 ]
 
 
