@@ -74,6 +74,18 @@ TP_SIZES = (1, 2)
 
 
 @dataclass(frozen=True)
+class LatentShape:
+    """Multi-head latent attention's projections (DeepSeek-V2/V3): the model's one KV head is a
+    latent of kv_lora_rank + qk_rope_head_dim values (models/layers/mla.py)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class ModelShape:
     name: str
     hidden_size: int
@@ -85,10 +97,10 @@ class ModelShape:
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
     gated_mlp: bool = True  # gate and up in one projection (Llama); else one fc1 (OPT)
     bias: bool = False  # every projection but the LM head has one (OPT)
-
-    @property
-    def group(self) -> int:
-        return self.num_heads // self.num_kv_heads
+    latent: LatentShape | None = None  # MLA: num_kv_heads 1, head_size the latent's
+    # Compiled in these only (None: every one of DTYPES and BLOCK_SIZES).
+    dtypes: tuple[torch.dtype, ...] | None = None
+    block_sizes: tuple[int, ...] | None = None
 
     def per_rank(self, tp: int) -> tuple[int, int] | None:
         """(query heads, kv heads) of one TP rank, as QKVParallelLinear splits them; None where
@@ -108,8 +120,7 @@ class ModelShape:
         ffn = self.intermediate_size // tp
         row_bias = self.bias and tp == 1
         shapes = [
-            ((q + 2 * kv) * self.head_size, self.hidden_size, self.bias),
-            (self.hidden_size, q * self.head_size, row_bias),
+            *self._attention_linears(q, kv, row_bias),
             ((2 if self.gated_mlp else 1) * ffn, self.hidden_size, self.bias),
             (self.hidden_size, ffn, row_bias),
         ]
@@ -117,6 +128,41 @@ class ModelShape:
         return [MatmulLaunch(dtype, n, k, bias, logits=False) for n, k, bias in shapes] + [
             MatmulLaunch(dtype, vocab, self.hidden_size, bias=False, logits=True)
         ]
+
+    def _attention_linears(self, q: int, kv: int, row_bias: bool) -> list[tuple[int, int, bool]]:
+        """(out, in, bias) of one rank's attention projections: q/k/v and o; for MLA the q
+        projection(s), the latent's, a head's absorbed W_UK^T and W_UV, and o."""
+        mla = self.latent
+        if mla is None:
+            return [
+                ((q + 2 * kv) * self.head_size, self.hidden_size, self.bias),
+                (self.hidden_size, q * self.head_size, row_bias),
+            ]
+        q_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        if mla.q_lora_rank:
+            q_proj = [
+                (mla.q_lora_rank, self.hidden_size, False),
+                (q * q_head, mla.q_lora_rank, False),
+            ]
+        else:
+            q_proj = [(q * q_head, self.hidden_size, False)]
+        return q_proj + [
+            (self.head_size, self.hidden_size, False),
+            (mla.kv_lora_rank, mla.qk_nope_head_dim, False),
+            (mla.v_head_dim, mla.kv_lora_rank, False),
+            (self.hidden_size, q * mla.v_head_dim, False),
+        ]
+
+    def norm_sizes(self) -> list[int]:
+        """What RMSNorm normalizes alone (no residual) besides the hidden states: q/k heads
+        (Qwen3), MLA's latent and q_lora."""
+        sizes = [self.head_size] if self.qk_norm else []
+        if self.latent is not None:
+            sizes += [self.latent.kv_lora_rank, self.latent.q_lora_rank or 0]
+        return [n for n in sizes if n]
+
+    def rope_size(self) -> int:
+        return self.head_size if self.latent is None else self.latent.qk_rope_head_dim
 
 
 # Head sizes 64 and 128 with GQA groups 1, 4 and 8 each, the default model (group 3) and a model
@@ -130,6 +176,21 @@ MODEL_SHAPES = (
     ModelShape("Llama-3-8B", 4096, 32, 8, 128, 128256, 14336),
     ModelShape("Llama-3-70B", 8192, 64, 8, 128, 128256, 28672),
     ModelShape("Qwen3-0.6B", 1024, 16, 8, 128, 151936, 3072, qk_norm=True),
+    # MLA: 16 heads over one latent KV head of 512 + 64 (DeepSeek-V2-Lite; its dense layers'
+    # MLP, the experts run as matmuls of their own sizes). In bf16 and blocks of 16 only: its
+    # 576-wide attention tiles take 12 s a binary to compile.
+    ModelShape(
+        "DeepSeek-V2-Lite",
+        2048,
+        16,
+        1,
+        576,
+        102400,
+        10944,
+        latent=LatentShape(None, 512, 128, 64, 128),
+        dtypes=(torch.bfloat16,),
+        block_sizes=(16,),
+    ),
 )
 
 
@@ -234,24 +295,29 @@ def launches(quick: bool = False) -> list[Launch]:
     shapes = [s for s in MODEL_SHAPES if not quick or s.name in QUICK_SHAPE_NAMES]
     out: dict[Launch, None] = {}
     for dtype, shape in itertools.product(dtypes, shapes):
-        for block_size, prefill, invariant in itertools.product(
-            BLOCK_SIZES, (False, True), (False, True)
-        ):
-            launch = AttentionLaunch(
-                dtype, shape.head_size, shape.group, block_size, prefill, invariant
-            )
-            out[launch] = None
+        if dtype not in (shape.dtypes or dtypes):
+            continue
+        block_sizes = shape.block_sizes or BLOCK_SIZES
         for tp in TP_SIZES:
             out.update(dict.fromkeys(shape.linears(dtype, tp)))
             if (heads := shape.per_rank(tp)) is None:
                 continue
-            for block_size in BLOCK_SIZES:
+            # A rank's group: the model's, but MLA's one latent head serves each rank's heads.
+            group = heads[0] // heads[1]
+            for block_size, prefill, invariant in itertools.product(
+                block_sizes, (False, True), (False, True)
+            ):
+                launch = AttentionLaunch(
+                    dtype, shape.head_size, group, block_size, prefill, invariant
+                )
+                out[launch] = None
+            for block_size in block_sizes:
                 out[KVWriteLaunch(dtype, heads[1], shape.head_size, block_size)] = None
-            out[RotaryLaunch(dtype, *heads, shape.head_size)] = None
+            out[RotaryLaunch(dtype, *heads, shape.rope_size())] = None
         for residual in (False, True):
             out[NormLaunch(dtype, shape.hidden_size, residual)] = None
-        if shape.qk_norm:
-            out[NormLaunch(dtype, shape.head_size, residual=False)] = None
+        for size in shape.norm_sizes():
+            out[NormLaunch(dtype, size, residual=False)] = None
         # Greedy steps sample the model's logits as they are; the others, and any step with
         # penalties, a float32 copy. Logits processors and min_tokens hand over float32 too.
         for greedy, penalties in itertools.product((True, False), repeat=2):
