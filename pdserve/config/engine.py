@@ -158,6 +158,8 @@ class EngineConfig:
                 )
         if self.kv_events_config is not None:
             self.kv_events_config = KVEventsConfig.from_any(self.kv_events_config)
+        if self.model_config.has_inner_state:
+            self._check_state_model()
         if self.use_v2_model_runner:
             self._validate_v2_model_runner()
 
@@ -212,6 +214,31 @@ class EngineConfig:
                 f"max_num_seqs={sched.max_num_seqs}."
             )
 
+    def _check_state_model(self) -> None:
+        """A model with recurrent state (Mamba) keeps it in slots of one worker, not in hashed
+        blocks: no prefix cache (logged once), and what it does not do yet is refused by name."""
+        arch = self.model_config.architecture
+        # One block a request, its state's slot (runners/state_cache.py).
+        self.cache_config.block_size = self.model_config.max_model_len
+        if self.cache_config.enable_prefix_caching:
+            logger.info(
+                "Prefix caching is off for %s: its layers keep a recurrent state per request, "
+                "which cached blocks cannot restore.",
+                arch,
+            )
+            self.cache_config.enable_prefix_caching = False
+        par = self.parallel_config
+        if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"{arch} keeps a recurrent state per request, which pdserve does not split over "
+                "ranks yet: tensor_parallel_size and pipeline_parallel_size must be 1."
+            )
+        if self.kv_transfer_config is not None:
+            raise ValueError(
+                f"kv_transfer_config: {arch} keeps a recurrent state per request, and the KV "
+                "connector does not hand state over between instances yet."
+            )
+
     def _check_pipeline_stages(self) -> None:
         pp, num_layers = self.parallel_config.pipeline_parallel_size, self.model_config.num_layers
         if pp > num_layers:
@@ -220,6 +247,8 @@ class EngineConfig:
                 "every stage needs at least one layer."
             )
         tp, hf = self.parallel_config.tensor_parallel_size, self.model_config.hf_config
+        if self.model_config.is_attention_free:  # no heads (its state is checked apart)
+            return
         heads = {"attention heads": hf.num_attention_heads}
         if not self.model_config.kv_cache_geometry.latent:  # a latent is whole on every rank
             heads["KV heads"] = self.model_config.num_kv_heads

@@ -39,21 +39,25 @@ MODELS: Registry[type[nn.Module]] = Registry(
         "GraniteMoeForCausalLM": "pdserve.models.granitemoe:GraniteMoeForCausalLM",
         "DeepseekV2ForCausalLM": "pdserve.models.deepseek_v2:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": "pdserve.models.deepseek_v2:DeepseekV3ForCausalLM",
+        "MambaForCausalLM": "pdserve.models.mamba:MambaForCausalLM",
     },
 )
 
-_NO_STATE_CACHE = "pdserve caches attention keys and values, and has no cache for recurrent state"
 
-
-def _stateful(architecture: str, what: str, *, hybrid: bool) -> ModelInfo:
-    """A recognized model with recurrent state: hybrid, or attention-free altogether."""
+def _stateful(architecture: str, what: str | None = None, *, hybrid: bool) -> ModelInfo:
+    """A model with recurrent state: hybrid, or attention-free altogether; `what`, where
+    pdserve cannot run it yet, says what it is."""
     return ModelInfo(
         architecture,
         is_hybrid=hybrid,
         is_attention_free=not hybrid,
         has_inner_state=True,
-        unsupported_reason=f"{what}; {_NO_STATE_CACHE}",
+        unsupported_reason=None if what is None else f"{what}; pdserve runs Mamba's state only",
     )
+
+
+# What the engine must know of the runnable models with state (the others are plain).
+_STATE_MODELS = {"MambaForCausalLM": _stateful("MambaForCausalLM", hybrid=False)}
 
 
 _QWEN3_5 = (
@@ -62,9 +66,6 @@ _QWEN3_5 = (
 _UNSUPPORTED: dict[str, ModelInfo] = {
     info.architecture: info
     for info in (
-        _stateful(
-            "MambaForCausalLM", "Mamba is a state-space model without attention", hybrid=False
-        ),
         _stateful(
             "Mamba2ForCausalLM", "Mamba-2 is a state-space model without attention", hybrid=False
         ),
@@ -83,7 +84,7 @@ def get_model_info(architectures: list[str]) -> ModelInfo:
     """The first of `architectures` that pdserve recognizes (runnable or not)."""
     for arch in architectures:
         if arch in MODELS:
-            return ModelInfo(arch)
+            return _STATE_MODELS.get(arch, ModelInfo(arch))
         if arch in _UNSUPPORTED:
             return _UNSUPPORTED[arch]
     raise ValueError(

@@ -26,6 +26,7 @@ from pdserve.runners.prompt_logprobs import (
     compute_prompt_logprobs,
 )
 from pdserve.runners.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
+from pdserve.runners.state_cache import make_state_caches, slot_bytes
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.output import GrammarBitmask, SchedulerOutput
 from pdserve.utils import cdiv
@@ -64,6 +65,9 @@ class ModelRunnerBase:
         self.kv_cache_geometry: KVCacheGeometry | None = None
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # Models with recurrent state (Mamba): per layer, a slot of state per block.
+        self.has_state = False
+        self.state_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def load_model(self) -> None:
         mc = self.model_config
@@ -71,6 +75,7 @@ class ModelRunnerBase:
         pack_linear_weights(self.model)
         # Read now: runner V2 may later wrap the model in its CUDA graphs.
         self.kv_cache_geometry = kv_cache_geometry(self.model)
+        self.has_state = hasattr(self.model, "state_shapes")
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[num_blocks, this stage's layers, 2 (key, value) or 1 (a latent), block_size, this TP
@@ -89,7 +94,9 @@ class ModelRunnerBase:
     def get_kv_cache_block_bytes(self) -> int:
         assert self.kv_cache_geometry is not None, "load_model() first"
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return self.block_size * self.kv_cache_geometry.bytes_per_token(element_size)
+        kv = self.block_size * self.kv_cache_geometry.bytes_per_token(element_size)
+        # A state model's block is one request's state (state_cache.py).
+        return kv + (slot_bytes(self.model.state_shapes(), self.dtype) if self.has_state else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One block-major tensor: block b of every layer is contiguous (cheap to transfer)."""
@@ -103,6 +110,13 @@ class ModelRunnerBase:
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
+        if self.has_state:
+            shapes = self.model.state_shapes()
+            self.state_caches = make_state_caches(shapes, num_blocks, self.dtype, self.device)
+            logger.info(
+                "State cache: a slot per block (%.2f GiB)",
+                num_blocks * slot_bytes(shapes, self.dtype) / 2**30,
+            )
 
     @torch.inference_mode()
     def forward_and_sample(
@@ -137,7 +151,8 @@ class ModelRunnerBase:
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The final hidden states; None on a pipeline stage before the last."""
         assert self.model is not None, "load_model() first"
-        args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        caches = self.state_caches if self.has_state else self.kv_caches
+        args = (inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
         if parallel_state.get_pp_world_size() == 1:
             return self.model(*args)
         intermediate = None

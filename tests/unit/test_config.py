@@ -84,6 +84,7 @@ DEFAULT_RUNNER = {
     "deepseek_v2": True,
     "mixtral": False,
     "deepseek_v3": False,
+    "mamba": False,  # attention-free: V1 by the rule (tests/unit/engine/test_state_models.py)
 }
 
 

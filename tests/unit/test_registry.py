@@ -74,7 +74,7 @@ def test_models_and_activations_by_name() -> None:
     from pdserve.models.registry import MODELS
 
     assert MODELS.get("MistralForCausalLM") is LlamaForCausalLM
-    assert "MambaForCausalLM" not in MODELS  # recognized but refused: models/registry.py says why
+    assert "Mamba2ForCausalLM" not in MODELS  # recognized but refused: models/registry.py says why
     assert isinstance(get_act_fn("gelu"), nn.GELU)
     with pytest.raises(ValueError, match=r"hidden_act must be one of 'relu', 'silu', 'gelu'"):
         get_act_fn("swish")

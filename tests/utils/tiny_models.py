@@ -20,6 +20,7 @@ from transformers import (
     GenerationConfig,
     GraniteMoeConfig,
     LlamaConfig,
+    MambaConfig,
     MistralConfig,
     MixtralConfig,
     OPTConfig,
@@ -42,6 +43,7 @@ TINY_ARCHS = (
     "deepseek_v3",
     "granitemoe",
     "gemma2",
+    "mamba",
 )
 VOCAB_SIZE = 512
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
@@ -113,6 +115,21 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
         return MixtralConfig(
             **{**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
         )
+    if arch == "mamba":
+        # Attention-free: a state of 16 per channel, a convolution over 4 inputs.
+        mamba = dict(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            state_size=16,
+            conv_kernel=4,
+            time_step_rank=8,
+            num_hidden_layers=2,
+            pad_token_id=PAD_TOKEN_ID,
+            bos_token_id=BOS_TOKEN_ID,
+            eos_token_id=EOS_TOKEN_ID,
+        )
+        return MambaConfig(**{**mamba, **overrides})
     if arch == "gemma2":
         # A window shorter than the tests' prompts on the first layer, full attention on the
         # second; the caps where the tiny model's scores and logits reach them.

@@ -109,6 +109,8 @@ class ModelRunnerV1(ModelRunnerBase):
             self.block_size,
             to_dev(sampling_rows),
         )
+        if self.has_state:  # a request's one block is its state's slot (state_cache.py)
+            inputs.attn_metadata.state_slots = to_dev(batch.block_table[:n, 0].astype(np.int64))
         sampling_req_ids = [req_ids[i] for i in sampling_rows]
         rows = [self._sampling_row(self.requests[r]) for r in sampling_req_ids]
         prompt_chunks = None

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import MambaConfig, PreTrainedTokenizerBase, Qwen2MoeConfig
+from transformers import Mamba2Config, PreTrainedTokenizerBase, Qwen2MoeConfig
 
 from pdserve.models import registry
 from pdserve.models.loader import (
@@ -99,13 +99,13 @@ def test_first_recognized_architecture_wins() -> None:
     )
 
 
-def test_mamba_is_recognized_but_refused(tmp_path: Path) -> None:
-    folder = tmp_path / "mamba"
-    MambaConfig(architectures=["MambaForCausalLM"]).save_pretrained(folder)
+def test_mamba2_is_recognized_but_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "mamba2"
+    Mamba2Config(architectures=["Mamba2ForCausalLM"]).save_pretrained(folder)
     config = load_hf_config(resolve_model_source(str(folder)))
     info = registry.get_model_info(config.architectures)
     assert info.is_attention_free and info.has_inner_state and not info.is_hybrid
-    with pytest.raises(ValueError, match="MambaForCausalLM"):
+    with pytest.raises(ValueError, match="Mamba2ForCausalLM"):
         registry.get_model_class(info.architecture)
 
 

@@ -1,0 +1,170 @@
+"""Mamba (attention-free, Model Runner V1): each layer keeps a fixed-size state per request
+instead of paged keys and values.
+
+A layer's state is its convolution's last conv_kernel - 1 inputs and its SSM state
+[intermediate, state_size], in the runner's state slots (runners/state_cache.py): `state_caches`
+holds one (conv, ssm) pair of tensors per layer, `attn_metadata.state_slots` each request's
+slot (its one block). A request whose context is empty (a new prompt, or one preempted and recomputed) starts
+from zeros; a later chunk of a prompt, or a decode step, continues its slot's state. The scan
+runs token by token in float32 as HF's torch path does, so chunked prefill and decode give the
+bits of one pass over the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from pdserve.kernels.attention import AttentionMetadata
+from pdserve.models.layers.layernorm import RMSNorm
+from pdserve.models.layers.linear import ReplicatedLinear
+from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.models.utils import load_checkpoint_weights
+
+
+class MambaMixer(nn.Module):
+    def __init__(self, hf_config: PretrainedConfig, params_dtype: torch.dtype) -> None:
+        super().__init__()
+        cfg = hf_config
+        inner, self.state_size = cfg.intermediate_size, cfg.state_size
+        self.time_step_rank = int(cfg.time_step_rank)
+        self.conv_kernel = cfg.conv_kernel
+        self.in_proj = ReplicatedLinear(cfg.hidden_size, 2 * inner, cfg.use_bias, params_dtype)
+        # Depthwise: one filter of conv_kernel taps per channel (HF's Conv1d weight layout).
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(
+            torch.empty(inner, 1, cfg.conv_kernel, dtype=params_dtype), requires_grad=False
+        )
+        self.conv1d.bias = (
+            nn.Parameter(torch.empty(inner, dtype=params_dtype), requires_grad=False)
+            if cfg.use_conv_bias
+            else None
+        )
+        self.x_proj = ReplicatedLinear(
+            inner, self.time_step_rank + 2 * cfg.state_size, False, params_dtype
+        )
+        self.dt_proj = ReplicatedLinear(self.time_step_rank, inner, True, params_dtype)
+        self.A_log = nn.Parameter(
+            torch.empty(inner, cfg.state_size, dtype=params_dtype), requires_grad=False
+        )
+        self.D = nn.Parameter(torch.empty(inner, dtype=params_dtype), requires_grad=False)
+        self.out_proj = ReplicatedLinear(inner, cfg.hidden_size, cfg.use_bias, params_dtype)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv state, SSM state) of one request."""
+        inner = self.D.shape[0]
+        return (inner, self.conv_kernel - 1), (inner, self.state_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        conv_states, ssm_states = state
+        md = attn_metadata
+        assert md.state_slots is not None, "a state model's step names each request's slot"
+        starts = md.query_start_loc.tolist()
+        contexts = md.seq_lens[: md.num_reqs] - (md.query_start_loc[1:] - md.query_start_loc[:-1])
+        out = hidden_states.new_zeros(hidden_states.shape[0], self.out_proj.weight.shape[0])
+        for i, slot in enumerate(md.state_slots.tolist()):
+            if int(contexts[i]) == 0:  # a fresh prompt, or one recomputed after preemption
+                conv_states[slot].zero_()
+                ssm_states[slot].zero_()
+            rows = slice(starts[i], starts[i + 1])
+            out[rows] = self._request(hidden_states[rows], conv_states[slot], ssm_states[slot])
+        return out
+
+    def _request(
+        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> torch.Tensor:
+        """One request's tokens [T, hidden] from its states, which it leaves updated."""
+        num_tokens, dtype = x.shape[0], x.dtype
+        u, gate = self.in_proj(x).t().chunk(2, dim=0)  # [inner, T] each
+        # The causal convolution over the previous kernel - 1 inputs and these.
+        padded = torch.cat((conv_state.to(dtype), u), dim=1)
+        conv_state.copy_(padded[:, -conv_state.shape[1] :])
+        weight = self.conv1d.weight
+        u = F.conv1d(padded[None], weight, self.conv1d.bias, groups=weight.shape[0])[0]
+        u = F.silu(u).t()  # [T, inner]
+        time_step, B, C = self.x_proj(u).split(
+            [self.time_step_rank, self.state_size, self.state_size], dim=-1
+        )
+        dt = F.softplus(self.dt_proj.weight @ time_step.t() + self.dt_proj.bias.float()[:, None])
+        A = -torch.exp(self.A_log.float())
+        dA = torch.exp(A[:, None, :] * dt[:, :, None])  # [inner, T, state]
+        dBu = dt[:, :, None] * B.float()[None] * u.t().float()[:, :, None]
+        state = ssm_state.float()
+        ys = []
+        for t in range(num_tokens):
+            state = dA[:, t] * state + dBu[:, t]
+            ys.append(state.to(dtype) @ C[t])
+        ssm_state.copy_(state)
+        y = torch.stack(ys, dim=0) + u * self.D
+        y = y * F.silu(gate.t())
+        return self.out_proj(y.to(dtype))
+
+
+class MambaBlock(nn.Module):
+    def __init__(self, hf_config: PretrainedConfig, params_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.layer_norm_epsilon, params_dtype)
+        self.mixer = MambaMixer(hf_config, params_dtype)
+
+
+class MambaForCausalLM(nn.Module):
+    def __init__(self, hf_config: PretrainedConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = hf_config
+        cfg = hf_config
+        self.backbone = nn.Module()
+        self.backbone.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.backbone.layers = nn.ModuleList(
+            MambaBlock(cfg, dtype) for _ in range(cfg.num_hidden_layers)
+        )
+        self.backbone.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
+        self.lm_head = (
+            self.backbone.embeddings
+            if self.tie_word_embeddings
+            else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        )
+        # HF keeps the residual stream in float32 where the config asks.
+        self.residual_dtype = torch.float32 if cfg.residual_in_fp32 else dtype
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per layer: the shapes of one request's (conv state, SSM state)."""
+        return [layer.mixer.state_shapes() for layer in self.backbone.layers]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        state_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+        intermediate_tensors: None = None,
+    ) -> torch.Tensor:
+        n = attn_metadata.num_actual_tokens
+        hidden = self.backbone.embeddings(input_ids[:n]).to(self.residual_dtype)
+        dtype = self.backbone.norm_f.weight.dtype
+        for layer, state in zip(self.backbone.layers, state_caches, strict=True):
+            mixed = layer.mixer(layer.norm(hidden.to(dtype)), state, attn_metadata)
+            hidden = hidden + mixed
+        out = self.backbone.norm_f(hidden.to(dtype))
+        if out.shape[0] == input_ids.shape[0]:
+            return out
+        padded = out.new_zeros(input_ids.shape[0], out.shape[1])  # batch padding rows
+        padded[:n] = out
+        return padded
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_checkpoint_weights(
+            self, weights, ignored=["lm_head.weight"] if self.tie_word_embeddings else []
+        )

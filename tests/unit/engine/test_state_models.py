@@ -1,0 +1,75 @@
+"""Models with recurrent state (Mamba) on Model Runner V1: token-exact against HF transformers
+alone, in batches, with chunked prefill at several budgets and with fewer state slots than
+requests; every block (a state model's block is a request's state slot) back after each run;
+what they do not do yet refused by name.
+
+A request takes its one block at admission and never needs another, so nothing preempts an
+attention-free model's requests: a short pool makes them wait for a slot instead."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pdserve import LLM
+from pdserve.config import EngineConfig
+from tests.unit.engine.test_correctness import assert_pool_full, make_prompts, reference, run
+
+ENGINES = {
+    "batched": {},
+    "chunked-16": {"max_num_batched_tokens": 16, "max_num_seqs": 8},
+    "chunked-40": {"max_num_batched_tokens": 40, "max_num_seqs": 8},
+    # 3 state slots for 8 prompts: they take turns.
+    "three-slots": {"num_gpu_blocks_override": 4},
+}
+
+
+@pytest.fixture
+def v1(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSERVE_USE_V2_MODEL_RUNNER", raising=False)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_mamba_matches_hf(tiny_model, v1, engine: str) -> None:
+    path = tiny_model("mamba")
+    with LLM(model=path, dtype="float32", max_model_len=256, **ENGINES[engine]) as llm:
+        assert llm.config.use_v2_model_runner is False  # the rule, not a fallback
+        assert llm.config.cache_config.enable_prefix_caching is False
+        prompts = make_prompts(llm.config.model_config.vocab_size)
+        assert run(llm, prompts) == reference(path, prompts)
+        # One prompt alone continues from the same state machinery.
+        assert run(llm, prompts[:1]) == reference(path, prompts)[:1]
+        assert llm.config.cache_config.block_size == 256  # one block a request: its state
+        assert_pool_full(llm)
+
+
+def test_mamba_runs_on_v1_and_names_what_v2_lacks(tiny_model, monkeypatch, caplog) -> None:
+    path = tiny_model("mamba")
+    monkeypatch.delenv("PDSERVE_USE_V2_MODEL_RUNNER", raising=False)
+    with caplog.at_level(logging.INFO):
+        config = EngineConfig.from_engine_args(model=path)
+    assert config.use_v2_model_runner is False
+    assert "V1 model runner instead" not in caplog.text
+    assert "Prefix caching is off for MambaForCausalLM" in caplog.text
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(
+        ValueError, match="^Model Runner V2 does not yet support: hybrid/mamba models$"
+    ):
+        EngineConfig.from_engine_args(model=path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size and pipeline_parallel_size must be 1"),
+        (
+            {"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}},
+            "the KV connector does not hand state over between instances yet",
+        ),
+    ],
+    ids=["tp", "split"],
+)
+def test_what_state_models_do_not_do_yet_is_refused(tiny_model, v1, args, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_engine_args(model=tiny_model("mamba"), **args)
