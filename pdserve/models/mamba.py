@@ -69,15 +69,50 @@ class MambaMixer(nn.Module):
         md = attn_metadata
         assert md.state_slots is not None, "a state model's step names each request's slot"
         starts = md.query_start_loc.tolist()
-        contexts = md.seq_lens[: md.num_reqs] - (md.query_start_loc[1:] - md.query_start_loc[:-1])
+        slots = md.state_slots.tolist()
         out = hidden_states.new_zeros(hidden_states.shape[0], self.out_proj.weight.shape[0])
-        for i, slot in enumerate(md.state_slots.tolist()):
-            if int(contexts[i]) == 0:  # a fresh prompt, or one recomputed after preemption
+        decodes = []  # (row, slot) of one-token steps that continue a state: batched below
+        for i, slot in enumerate(slots):
+            num_tokens = starts[i + 1] - starts[i]
+            context = int(md.seq_lens[i]) - num_tokens
+            if context == 0:  # a fresh prompt, or one recomputed after preemption
                 conv_states[slot].zero_()
                 ssm_states[slot].zero_()
+            elif num_tokens == 1:
+                decodes.append((starts[i], slot))
+                continue
             rows = slice(starts[i], starts[i + 1])
             out[rows] = self._request(hidden_states[rows], conv_states[slot], ssm_states[slot])
+        if decodes:
+            rows, index = (torch.tensor(c, device=out.device) for c in zip(*decodes, strict=True))
+            out[rows], conv, ssm = self._step(
+                hidden_states[rows], conv_states[index], ssm_states[index]
+            )
+            conv_states[index], ssm_states[index] = conv, ssm
         return out
+
+    def _step(
+        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token [R, hidden] of each of R requests from their states [R, ...]: (the
+        output, the new conv states, the new SSM states), HF's recurrent form."""
+        dtype = x.dtype
+        u, gate = self.in_proj(x).chunk(2, dim=-1)  # [R, inner] each
+        padded = torch.cat((conv_state.to(dtype), u[:, :, None]), dim=2)
+        u = (padded * self.conv1d.weight[:, 0]).sum(dim=-1)
+        if self.conv1d.bias is not None:
+            u = u + self.conv1d.bias
+        u = F.silu(u)
+        time_step, B, C = self.x_proj(u).split(
+            [self.time_step_rank, self.state_size, self.state_size], dim=-1
+        )
+        dt = F.softplus(time_step @ self.dt_proj.weight.t() + self.dt_proj.bias.float())
+        A = -torch.exp(self.A_log.float())
+        dA = torch.exp(A[None] * dt[:, :, None])  # [R, inner, state]
+        state = dA * ssm_state + dt[:, :, None] * B.float()[:, None, :] * u.float()[:, :, None]
+        y = (state.to(dtype) @ C[:, :, None])[..., 0] + u * self.D
+        y = y * F.silu(gate)
+        return self.out_proj(y.to(dtype)), padded[:, :, 1:], state
 
     def _request(
         self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
