@@ -1,0 +1,92 @@
+"""The recurrent-state path's decode step against attention's, side by side: a random Mamba and
+a random Llama of the same width and depth (HF transformers' configs, built here), each served
+by pdserve offline (LLM), at batches of 1, 16 and 64 prompts; alternating rounds, medians.
+
+    .venv/bin/python benchmarks/state_models.py [--hidden 512] [--layers 8] [--rounds 3]
+
+A step's cost is the generation's time over its decode steps (--output-len tokens each, EOS
+ignored), the prompts' prefill (--prompt-len tokens each) taken apart by a one-token run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+from tests.utils.tiny_models import make_tiny_model  # noqa: E402
+
+
+def build(arch: str, hidden: int, layers: int, root: Path) -> str:
+    if arch == "mamba":
+        shape = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "time_step_rank": 32}
+    else:  # head size 64, as vLLM's CPU attention takes
+        shape = {"hidden_size": hidden, "intermediate_size": 4 * hidden}
+        shape |= {"num_attention_heads": hidden // 64, "num_key_value_heads": hidden // 64}
+    return str(make_tiny_model(arch, root / arch, num_hidden_layers=layers, **shape))
+
+
+def step_ms(llm: LLM, batch: int, prompt_len: int, output_len: int) -> float:
+    prompts = [
+        {"prompt_token_ids": [3 + (i * 7 + j) % 500 for j in range(prompt_len)]}
+        for i in range(batch)
+    ]
+
+    def generate(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    prefill = generate(1)
+    return (generate(output_len + 1) - prefill) / output_len * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args()
+    os.environ.setdefault("PDSERVE_USE_V2_MODEL_RUNNER", "0")  # Mamba's runner, for both
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {
+            arch: build(arch, args.hidden, args.layers, Path(tmp)) for arch in ("mamba", "llama")
+        }
+        llms = {
+            arch: LLM(
+                model=path, dtype=args.dtype, max_model_len=256, max_num_seqs=max(args.batches)
+            )
+            for arch, path in paths.items()
+        }
+        results: dict[tuple[str, int], list[float]] = {}
+        for _ in range(args.rounds):
+            for batch in args.batches:
+                for arch, llm in llms.items():
+                    ms = step_ms(llm, batch, args.prompt_len, args.output_len)
+                    results.setdefault((arch, batch), []).append(ms)
+        print(
+            f"decode step, ms (medians of {args.rounds}; {args.layers} layers of {args.hidden}, {args.dtype}, load {os.getloadavg()[0]:.1f})"
+        )
+        print(f"{'batch':>6}{'mamba':>10}{'llama':>10}{'ratio':>8}")
+        for batch in args.batches:
+            mamba = statistics.median(results[("mamba", batch)])
+            llama = statistics.median(results[("llama", batch)])
+            print(f"{batch:>6}{mamba:>10.2f}{llama:>10.2f}{mamba / llama:>8.2f}")
+        for llm in llms.values():
+            llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
