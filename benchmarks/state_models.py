@@ -4,8 +4,9 @@ by pdserve offline (LLM), at batches of 1, 16 and 64 prompts; alternating rounds
 
     .venv/bin/python benchmarks/state_models.py [--hidden 512] [--layers 8] [--rounds 3]
 
-A step's cost is the generation's time over its decode steps (--output-len tokens each, EOS
-ignored), the prompts' prefill (--prompt-len tokens each) taken apart by a one-token run.
+A step's cost is the difference between generating 2 x --output-len and --output-len tokens a
+prompt (EOS ignored; medians of three interleaved runs each), over --output-len: the prompts'
+prefill (--prompt-len tokens each) cancels out.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def build(arch: str, hidden: int, layers: int, root: Path) -> str:
     return str(make_tiny_model(arch, root / arch, num_hidden_layers=layers, **shape))
 
 
-def step_ms(llm: LLM, batch: int, prompt_len: int, output_len: int) -> float:
+def step_ms(llm: LLM, batch: int, prompt_len: int, output_len: int, repeats: int = 3) -> float:
     prompts = [
         {"prompt_token_ids": [3 + (i * 7 + j) % 500 for j in range(prompt_len)]}
         for i in range(batch)
@@ -45,8 +46,12 @@ def step_ms(llm: LLM, batch: int, prompt_len: int, output_len: int) -> float:
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
-    prefill = generate(1)
-    return (generate(output_len + 1) - prefill) / output_len * 1000
+    generate(2)  # warm-up: this batch's shapes
+    short, long = [], []
+    for _ in range(repeats):  # interleaved, so that a slow moment hits both
+        short.append(generate(output_len))
+        long.append(generate(2 * output_len))
+    return (statistics.median(long) - statistics.median(short)) / output_len * 1000
 
 
 def main() -> None:
@@ -64,18 +69,16 @@ def main() -> None:
         paths = {
             arch: build(arch, args.hidden, args.layers, Path(tmp)) for arch in ("mamba", "llama")
         }
-        llms = {
-            arch: LLM(
-                model=path, dtype=args.dtype, max_model_len=256, max_num_seqs=max(args.batches)
-            )
-            for arch, path in paths.items()
-        }
         results: dict[tuple[str, int], list[float]] = {}
         for _ in range(args.rounds):
-            for batch in args.batches:
-                for arch, llm in llms.items():
-                    ms = step_ms(llm, batch, args.prompt_len, args.output_len)
-                    results.setdefault((arch, batch), []).append(ms)
+            # One engine alive at a time: an idle one's threads would take the other's cores.
+            for arch, path in paths.items():
+                with LLM(
+                    model=path, dtype=args.dtype, max_model_len=256, max_num_seqs=max(args.batches)
+                ) as llm:
+                    for batch in args.batches:
+                        ms = step_ms(llm, batch, args.prompt_len, args.output_len)
+                        results.setdefault((arch, batch), []).append(ms)
         print(
             f"decode step, ms (medians of {args.rounds}; {args.layers} layers of {args.hidden}, {args.dtype}, load {os.getloadavg()[0]:.1f})"
         )
@@ -84,8 +87,6 @@ def main() -> None:
             mamba = statistics.median(results[("mamba", batch)])
             llama = statistics.median(results[("llama", batch)])
             print(f"{batch:>6}{mamba:>10.2f}{llama:>10.2f}{mamba / llama:>8.2f}")
-        for llm in llms.values():
-            llm.shutdown()
 
 
 if __name__ == "__main__":
