@@ -213,9 +213,12 @@ def engine_env(engine: str, threads: int, kv_cache_gib: int) -> dict[str, str]:
     return env
 
 
-def engine_args(engine: str, model: Path, args: argparse.Namespace) -> dict:
-    """Keyword arguments of LLM(...): vLLM's names, which pdserve shares."""
-    return {
+def engine_args(engine: str, model: Path, args: argparse.Namespace, latent: bool) -> dict:
+    """Keyword arguments of LLM(...): vLLM's names, which pdserve shares. For an MLA model
+    (`latent`) prefix caching and chunked prefill are off in both: vLLM's CPU build forces them
+    off there, and a third of the prompts repeat."""
+    mla = {"enable_prefix_caching": False, "enable_chunked_prefill": False} if latent else {}
+    return mla | {
         "model": str(model),
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
@@ -305,6 +308,7 @@ def main() -> None:
     model = resolve_model(args.model, args.dtype, args.cache_dir)
     model_config = ModelConfig(model=str(model))
     print(kv_bytes(model_config, args.dtype))
+    latent = model_config.kv_cache_geometry.latent
     tokenizer = loader.load_tokenizer(model_config.source)
     job = {
         "prompts": make_prompts(tokenizer, args.num_prompts),
@@ -329,7 +333,11 @@ def main() -> None:
             root = str(args.baseline.resolve()) if engine == "baseline" else None
             result = run_engine(
                 runs_as,
-                {**job, "engine_args": engine_args(runs_as, model, args), "pdserve_root": root},
+                {
+                    **job,
+                    "engine_args": engine_args(runs_as, model, args, latent),
+                    "pdserve_root": root,
+                },
                 pythons[runs_as],
                 engine_env(runs_as, args.threads, args.kv_cache_gib),
                 log,
