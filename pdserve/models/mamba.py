@@ -13,6 +13,7 @@ bits of one pass over the whole sequence.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,40 @@ from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import ReplicatedLinear
 from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.utils import load_checkpoint_weights
+
+
+@dataclass
+class StepPlan:
+    """How a step's requests meet their states, read once for every layer: the slots to zero
+    first, the prompts' (rows, slot) scanned one by one, the one-token steps that continue a
+    state (their rows and slots) run batched."""
+
+    fresh_slots: torch.Tensor
+    prompts: list[tuple[slice, int]]
+    decode_rows: torch.Tensor
+    decode_slots: torch.Tensor
+
+    @classmethod
+    def of(cls, md: AttentionMetadata, device: torch.device) -> StepPlan:
+        assert md.state_slots is not None, "a state model's step names each request's slot"
+        starts = md.query_start_loc.tolist()
+        seq_lens = md.seq_lens[: md.num_reqs].tolist()
+        fresh, prompts, decodes = [], [], []
+        for i, slot in enumerate(md.state_slots.tolist()):
+            num_tokens = starts[i + 1] - starts[i]
+            context = seq_lens[i] - num_tokens
+            if context == 0:
+                fresh.append(slot)
+            if num_tokens == 1 and context > 0:
+                decodes.append((starts[i], slot))
+            else:
+                prompts.append((slice(starts[i], starts[i + 1]), slot))
+        rows, slots = zip(*decodes, strict=True) if decodes else ((), ())
+
+        def tensor(values: list[int] | tuple[int, ...]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(tensor(fresh), prompts, tensor(rows), tensor(slots))
 
 
 class MambaMixer(nn.Module):
@@ -63,28 +98,17 @@ class MambaMixer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         state: tuple[torch.Tensor, torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        plan: StepPlan,
     ) -> torch.Tensor:
         conv_states, ssm_states = state
-        md = attn_metadata
-        assert md.state_slots is not None, "a state model's step names each request's slot"
-        starts = md.query_start_loc.tolist()
-        slots = md.state_slots.tolist()
+        if plan.fresh_slots.numel():  # new prompts, or ones recomputed after preemption
+            conv_states[plan.fresh_slots] = 0
+            ssm_states[plan.fresh_slots] = 0
         out = hidden_states.new_zeros(hidden_states.shape[0], self.out_proj.weight.shape[0])
-        decodes = []  # (row, slot) of one-token steps that continue a state: batched below
-        for i, slot in enumerate(slots):
-            num_tokens = starts[i + 1] - starts[i]
-            context = int(md.seq_lens[i]) - num_tokens
-            if context == 0:  # a fresh prompt, or one recomputed after preemption
-                conv_states[slot].zero_()
-                ssm_states[slot].zero_()
-            elif num_tokens == 1:
-                decodes.append((starts[i], slot))
-                continue
-            rows = slice(starts[i], starts[i + 1])
+        for rows, slot in plan.prompts:
             out[rows] = self._request(hidden_states[rows], conv_states[slot], ssm_states[slot])
-        if decodes:
-            rows, index = (torch.tensor(c, device=out.device) for c in zip(*decodes, strict=True))
+        if plan.decode_rows.numel():
+            rows, index = plan.decode_rows, plan.decode_slots
             out[rows], conv, ssm = self._step(
                 hidden_states[rows], conv_states[index], ssm_states[index]
             )
@@ -186,8 +210,9 @@ class MambaForCausalLM(nn.Module):
         n = attn_metadata.num_actual_tokens
         hidden = self.backbone.embeddings(input_ids[:n]).to(self.residual_dtype)
         dtype = self.backbone.norm_f.weight.dtype
+        plan = StepPlan.of(attn_metadata, hidden.device)
         for layer, state in zip(self.backbone.layers, state_caches, strict=True):
-            mixed = layer.mixer(layer.norm(hidden.to(dtype)), state, attn_metadata)
+            mixed = layer.mixer(layer.norm(hidden.to(dtype)), state, plan)
             hidden = hidden + mixed
         out = self.backbone.norm_f(hidden.to(dtype))
         if out.shape[0] == input_ids.shape[0]:
