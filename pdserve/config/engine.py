@@ -218,7 +218,7 @@ class EngineConfig:
         """A model with recurrent state (Mamba) keeps it in slots of one worker, not in hashed
         blocks: no prefix cache (logged once), and what it does not do yet is refused by name."""
         arch = self.model_config.architecture
-        # One block a request, its state's slot (runners/state_cache.py).
+        # One block a request, its state's slot (models/state_cache.py).
         self.cache_config.block_size = self.model_config.max_model_len
         if self.cache_config.enable_prefix_caching:
             logger.info(
@@ -232,11 +232,6 @@ class EngineConfig:
             raise ValueError(
                 f"{arch} keeps a recurrent state per request, which pdserve does not split over "
                 "ranks yet: tensor_parallel_size and pipeline_parallel_size must be 1."
-            )
-        if self.kv_transfer_config is not None:
-            raise ValueError(
-                f"kv_transfer_config: {arch} keeps a recurrent state per request, and the KV "
-                "connector does not hand state over between instances yet."
             )
 
     def _check_pipeline_stages(self) -> None:

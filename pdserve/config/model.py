@@ -16,6 +16,7 @@ from pdserve.config.args import flag
 from pdserve.validation import check_choice, check_positive
 
 if TYPE_CHECKING:
+    from pdserve.models.state_cache import StateShapes
     from pdserve.models.utils import KVCacheGeometry
 
 _DTYPES = {
@@ -169,16 +170,33 @@ class ModelConfig:
 
         Workers size their caches from the model they built (its stage, its TP rank's heads),
         so the engine and the workers read one source."""
+        from pdserve.models.utils import kv_cache_geometry
+
+        return kv_cache_geometry(self._meta_model())
+
+    @cached_property
+    def state_shapes(self) -> StateShapes:
+        """A state model's per layer shapes of one request's state (models/state_cache.py);
+        none for a model without one."""
+        return self._meta_model().state_shapes() if self.has_inner_state else []
+
+    @property
+    def state_layout(self) -> str:
+        """The state as the KV connector's handshake compares it; "" for none."""
+        from pdserve.models.state_cache import describe
+
+        return describe(self.state_shapes, self.torch_dtype)
+
+    def _meta_model(self) -> torch.nn.Module:
+        """The whole model built on the meta device: no memory, no weights."""
         from pdserve.distributed import parallel_state
         from pdserve.models import registry
-        from pdserve.models.utils import kv_cache_geometry
 
         # Inside a TP group or a pipeline the layers built would be one rank's share.
         assert parallel_state.get_tensor_model_parallel_world_size() == 1
         assert parallel_state.get_pp_world_size() == 1
         with torch.device("meta"):
-            model = registry.get_model_class(self.architecture)(self.hf_config, torch.float32)
-        return kv_cache_geometry(model)
+            return registry.get_model_class(self.architecture)(self.hf_config, torch.float32)
 
     @property
     def num_kv_heads(self) -> int:

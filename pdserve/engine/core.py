@@ -73,6 +73,7 @@ class EngineCore:
             kv_connector=self.kv_connector,
             enable_kv_cache_events=self.kv_events.publishes,
             structured_output=self.structured_output,
+            has_state=config.model_config.has_inner_state,
         )
         self.batch_queue_size = self.executor.max_concurrent_batches
         # False when the last step had nothing to compute (only transfers to poll).

@@ -90,6 +90,8 @@ class InputProcessor:
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = mc.eos_token_ids
         self.max_logprobs = mc.max_logprobs
+        self.architecture = mc.architecture
+        self.has_state = mc.has_inner_state
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -126,6 +128,14 @@ class InputProcessor:
         cache_salt: str | None = None,
     ) -> EngineCoreRequest:
         check_params_for_model(params, self.vocab_size, self.max_logprobs)
+        kv = kv_transfer_params
+        if self.has_state and kv is not None and kv.do_remote_decode and params.max_tokens != 1:
+            # Its block holds the state after every token computed, which must be the prompt's.
+            raise ValueError(
+                f"kv_transfer_params.do_remote_decode needs max_tokens=1 for {self.architecture}: "
+                f"it hands over its recurrent state after the prompt alone (got max_tokens="
+                f"{params.max_tokens})."
+            )
         # Extra EOS ids of the generation config stop generation like stop_token_ids do.
         primary_eos = self.eos_token_ids[0] if self.eos_token_ids else None
         extra = [t for t in self.eos_token_ids[1:] if not params.ignore_eos]

@@ -39,7 +39,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64; -1 = padding, not written
-    # Models with recurrent state: each request's slot of the state caches (runners/state_cache.py).
+    # Models with recurrent state: each request's slot of the state caches (models/state_cache.py).
     state_slots: torch.Tensor | None = None  # [num_reqs] int64
 
 

@@ -77,8 +77,8 @@ def kv_cache_geometry(model: nn.Module) -> KVCacheGeometry:
     """Read from the model's attention layers: a model family decides which HF config fields it
     uses (OPT ignores num_key_value_heads), so no rule over the config can stand in for it."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    if not layers:  # attention-free (Mamba): its layers keep state, not KV
-        return KVCacheGeometry(0, 0, 0)
+    if not layers:  # attention-free (Mamba): no layers, a row of one value per token and part
+        return KVCacheGeometry(0, 1, 1)  # to size the state's rows (models/state_cache.py)
     shapes = {(layer.num_kv_heads, layer.head_dim, layer.latent) for layer in layers}
     # One cache tensor holds every layer: a model whose layers differ would need one per layer.
     assert len(shapes) == 1, f"{type(model).__name__}: attention layers of shapes {shapes}"

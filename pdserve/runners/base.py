@@ -8,6 +8,7 @@ every rank, so that every runner appends the same tokens to its requests.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from pdserve.config import EngineConfig
 from pdserve.distributed import parallel_state
 from pdserve.kernels.linear import pack_linear_weights
 from pdserve.models import loader
+from pdserve.models.state_cache import StateCaches, num_state_rows, state_views
 from pdserve.models.utils import KVCacheGeometry, kv_cache_geometry
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
 from pdserve.runners.inputs import StepInputs
@@ -26,7 +28,6 @@ from pdserve.runners.prompt_logprobs import (
     compute_prompt_logprobs,
 )
 from pdserve.runners.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
-from pdserve.runners.state_cache import make_state_caches, slot_bytes
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.output import GrammarBitmask, SchedulerOutput
 from pdserve.utils import cdiv
@@ -65,9 +66,10 @@ class ModelRunnerBase:
         self.kv_cache_geometry: KVCacheGeometry | None = None
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[torch.Tensor] = []
-        # Models with recurrent state (Mamba): per layer, a slot of state per block.
+        # Models with recurrent state (Mamba): per layer, a slot of state per block, in the
+        # block's rows after its attention layers' (state_cache.py).
         self.has_state = False
-        self.state_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.state_caches: StateCaches = []
 
     def load_model(self) -> None:
         mc = self.model_config
@@ -79,12 +81,19 @@ class ModelRunnerBase:
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[num_blocks, this stage's layers, 2 (key, value) or 1 (a latent), block_size, this TP
-        rank's KV heads, head_dim], as the model's attention layers hold them."""
+        rank's KV heads, head_dim], as the model's attention layers hold them; a state model's
+        state rows follow its layers (state_cache.py)."""
         geometry = self.kv_cache_geometry
         assert geometry is not None, "load_model() first"
+        rows = geometry.num_layers
+        if self.has_state:
+            element_size = torch.empty((), dtype=self.dtype).element_size()
+            row_bytes = self.block_size * geometry.kv_parts * geometry.num_kv_heads
+            row_bytes *= geometry.head_dim * element_size
+            rows += num_state_rows(self.model.state_shapes(), self.dtype, row_bytes)
         return (
             num_blocks,
-            geometry.num_layers,
+            rows,
             geometry.kv_parts,
             self.block_size,
             geometry.num_kv_heads,
@@ -92,18 +101,16 @@ class ModelRunnerBase:
         )
 
     def get_kv_cache_block_bytes(self) -> int:
-        assert self.kv_cache_geometry is not None, "load_model() first"
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        kv = self.block_size * self.kv_cache_geometry.bytes_per_token(element_size)
-        # A state model's block is one request's state (state_cache.py).
-        return kv + (slot_bytes(self.model.state_shapes(), self.dtype) if self.has_state else 0)
+        return math.prod(self._kv_cache_shape(1)) * element_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One block-major tensor: block b of every layer is contiguous (cheap to transfer)."""
         shape = self._kv_cache_shape(num_blocks)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        num_layers = self.kv_cache_geometry.num_layers
         # A latent part serves as key and value: the layer's view reads it as both (stride 0).
-        self.kv_caches = [self.kv_cache[:, i].expand(-1, 2, -1, -1, -1) for i in range(shape[1])]
+        self.kv_caches = [self.kv_cache[:, i].expand(-1, 2, -1, -1, -1) for i in range(num_layers)]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             num_blocks,
@@ -111,11 +118,12 @@ class ModelRunnerBase:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
         if self.has_state:
-            shapes = self.model.state_shapes()
-            self.state_caches = make_state_caches(shapes, num_blocks, self.dtype, self.device)
+            rows = self.kv_cache[:, num_layers:]
+            self.state_caches = state_views(rows, self.model.state_shapes(), self.dtype)
             logger.info(
-                "State cache: a slot per block (%.2f GiB)",
-                num_blocks * slot_bytes(shapes, self.dtype) / 2**30,
+                "State: a slot per block, %d rows after the %d attention layers'",
+                rows.shape[1],
+                num_layers,
             )
 
     @torch.inference_mode()

@@ -56,8 +56,12 @@ class RemoteKVRequests:
         policy: SchedulingPolicy,
         kv_cache_manager: KVCacheManager,
         connector: KVConnectorScheduler,
+        has_state: bool = False,
     ) -> None:
         self.policy = policy
+        # A recurrent state (Mamba) cannot take its last token back: the prompt's last token
+        # cannot be computed again on top of the state that already holds it.
+        self.has_state = has_state
         self.kv_cache_manager = kv_cache_manager
         self.connector = connector
         self.skipped_waiting = create_request_queue(policy)
@@ -97,7 +101,8 @@ class RemoteKVRequests:
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         if request.num_computed_tokens == request.num_tokens:
             # The whole prompt arrived: recompute its last token, to sample from its logits.
-            request.num_computed_tokens = request.num_tokens - 1
+            # A state model (no shipped token to continue from) computes its prompt again.
+            request.num_computed_tokens = 0 if self.has_state else request.num_tokens - 1
         request.status = (
             RequestStatus.PREEMPTED if request.num_preemptions > 0 else RequestStatus.WAITING
         )

@@ -57,6 +57,7 @@ class Scheduler:
         kv_connector: KVConnectorScheduler | None = None,
         enable_kv_cache_events: bool = False,
         structured_output: StructuredOutputManager | None = None,
+        has_state: bool = False,
     ) -> None:
         self.max_model_len = max_model_len
         # Structured outputs: the bitmask of each step's constrained requests comes from it.
@@ -79,7 +80,12 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             enable_kv_cache_events,
         )
-        self.remote_kv = RemoteKVRequests(self.policy, self.kv_cache_manager, self.connector)
+        self.remote_kv = RemoteKVRequests(
+            self.policy,
+            self.kv_cache_manager,
+            self.connector,
+            has_state,
+        )
         self.admission = WaitingAdmission(
             self.kv_cache_manager,
             self.remote_kv,

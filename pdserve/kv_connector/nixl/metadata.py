@@ -197,13 +197,14 @@ def send(transport: Transport, agent: str, msg: msgspec.Struct) -> bool:
 
 
 def compatibility_factors(
-    architecture: str, kv_cache: torch.Tensor, tp_size: int, transport: str
+    architecture: str, kv_cache: torch.Tensor, tp_size: int, transport: str, state_layout: str
 ) -> dict[str, str | int]:
     """Both sides of a transfer must agree on all of these, or the bytes mean nothing.
 
     The layout is the registered cache's own (its geometry is the model's attention layers'),
     with the KV heads counted over the TP group (EngineConfig checks that TP divides them), so
-    that instances of different TP sizes agree."""
+    that instances of different TP sizes agree. A state model's block ends in rows of state
+    (models/state_cache.py), counted in num_layers; `state_layout` says what they hold."""
     _, num_layers, parts, block_size, num_kv_heads, head_dim = kv_cache.shape
     return {
         "pdserve_version": pdserve.__version__,
@@ -217,6 +218,7 @@ def compatibility_factors(
         "num_layers": num_layers,
         "block_size": block_size,
         "transport": transport,
+        "state_layout": state_layout or "none",
     }
 
 

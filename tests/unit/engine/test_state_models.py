@@ -59,17 +59,8 @@ def test_mamba_runs_on_v1_and_names_what_v2_lacks(tiny_model, monkeypatch, caplo
         EngineConfig.from_engine_args(model=path)
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size and pipeline_parallel_size must be 1"),
-        (
-            {"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}},
-            "the KV connector does not hand state over between instances yet",
-        ),
-    ],
-    ids=["tp", "split"],
-)
-def test_what_state_models_do_not_do_yet_is_refused(tiny_model, v1, args, message) -> None:
-    with pytest.raises(ValueError, match=message):
-        EngineConfig.from_engine_args(model=tiny_model("mamba"), **args)
+def test_state_models_refuse_tp_by_name(tiny_model, v1) -> None:
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size and pipeline_parallel_size must be 1"
+    ):
+        EngineConfig.from_engine_args(model=tiny_model("mamba"), tensor_parallel_size=2)

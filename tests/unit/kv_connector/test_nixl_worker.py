@@ -5,6 +5,7 @@ expire or are renewed by heartbeats, and every failure ends its request alone, c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -21,6 +22,7 @@ from pdserve.kv_connector.nixl.metadata import (
 )
 from pdserve.kv_connector.nixl.worker import NixlConnectorWorker
 from pdserve.kv_connector.transport.base import HOST
+from tests.utils.tiny_models import make_tiny_model
 
 from .halves import BLOCK_SHAPE, cache, kv_config, poll
 
@@ -327,6 +329,31 @@ def test_incompatible_cache_fails_the_handshake(
         "dtype: prefill float32, decode float16"
     )
     assert "127.0.0.1" not in why
+
+
+def test_a_state_layout_mismatch_fails_the_handshake(
+    tmp_path: Path, serve: Callable[..., int], clock: Clock
+) -> None:
+    """Two Mambas whose states differ (16 and 8 values per channel) register caches of one
+    shape: the handshake refuses the read and names both sides' state layouts."""
+    workers = []
+    for role, state_size in (("kv_producer", 16), ("kv_consumer", 8)):
+        model = make_tiny_model("mamba", tmp_path / role, state_size=state_size)
+        worker = NixlConnectorWorker(kv_config(str(model), role, role, kv_lease_duration=LEASE), 0)
+        worker.register_kv_caches(cache(NUM_BLOCKS, role == "kv_producer"))
+        workers.append(worker)
+    p, d = workers
+    try:
+        load(d, **{"d-1": recv([1], [0], "p-1", serve(p), engine="kv_producer")})
+        Finished(d).until(recving=("d-1",))
+        (why,) = d.take_load_errors().values()
+        assert why.endswith(
+            "state_layout: prefill 2 x (conv [128, 3] bfloat16, ssm [128, 16] float32), "
+            "decode 2 x (conv [128, 3] bfloat16, ssm [128, 8] float32)"
+        ), why
+    finally:
+        for worker in workers:
+            worker.shutdown()
 
 
 @transports
