@@ -13,7 +13,6 @@ bits of one pass over the whole sequence.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,41 +23,8 @@ from pdserve.kernels.attention import AttentionMetadata
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import ReplicatedLinear
 from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.models.state_cache import StateModelCaches, StepPlan
 from pdserve.models.utils import load_checkpoint_weights
-
-
-@dataclass
-class StepPlan:
-    """How a step's requests meet their states, read once for every layer: the slots to zero
-    first, the prompts' (rows, slot) scanned one by one, the one-token steps that continue a
-    state (their rows and slots) run batched."""
-
-    fresh_slots: torch.Tensor
-    prompts: list[tuple[slice, int]]
-    decode_rows: torch.Tensor
-    decode_slots: torch.Tensor
-
-    @classmethod
-    def of(cls, md: AttentionMetadata, device: torch.device) -> StepPlan:
-        assert md.state_slots is not None, "a state model's step names each request's slot"
-        starts = md.query_start_loc.tolist()
-        seq_lens = md.seq_lens[: md.num_reqs].tolist()
-        fresh, prompts, decodes = [], [], []
-        for i, slot in enumerate(md.state_slots.tolist()):
-            num_tokens = starts[i + 1] - starts[i]
-            context = seq_lens[i] - num_tokens
-            if context == 0:
-                fresh.append(slot)
-            if num_tokens == 1 and context > 0:
-                decodes.append((starts[i], slot))
-            else:
-                prompts.append((slice(starts[i], starts[i + 1]), slot))
-        rows, slots = zip(*decodes, strict=True) if decodes else ((), ())
-
-        def tensor(values: list[int] | tuple[int, ...]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        return cls(tensor(fresh), prompts, tensor(rows), tensor(slots))
 
 
 class MambaMixer(nn.Module):
@@ -203,7 +169,7 @@ class MambaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        state_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: StateModelCaches,
         attn_metadata: AttentionMetadata,
         intermediate_tensors: None = None,
     ) -> torch.Tensor:
@@ -211,7 +177,7 @@ class MambaForCausalLM(nn.Module):
         hidden = self.backbone.embeddings(input_ids[:n]).to(self.residual_dtype)
         dtype = self.backbone.norm_f.weight.dtype
         plan = StepPlan.of(attn_metadata, hidden.device)
-        for layer, state in zip(self.backbone.layers, state_caches, strict=True):
+        for layer, state in zip(self.backbone.layers, caches.state, strict=True):
             mixed = layer.mixer(layer.norm(hidden.to(dtype)), state, plan)
             hidden = hidden + mixed
         out = self.backbone.norm_f(hidden.to(dtype))

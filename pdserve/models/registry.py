@@ -40,6 +40,7 @@ MODELS: Registry[type[nn.Module]] = Registry(
         "DeepseekV2ForCausalLM": "pdserve.models.deepseek_v2:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": "pdserve.models.deepseek_v2:DeepseekV3ForCausalLM",
         "MambaForCausalLM": "pdserve.models.mamba:MambaForCausalLM",
+        "Qwen3_5ForCausalLM": "pdserve.models.qwen3_5:Qwen3_5ForCausalLM",
     },
 )
 
@@ -52,17 +53,20 @@ def _stateful(architecture: str, what: str | None = None, *, hybrid: bool) -> Mo
         is_hybrid=hybrid,
         is_attention_free=not hybrid,
         has_inner_state=True,
-        unsupported_reason=None if what is None else f"{what}; pdserve runs Mamba's state only",
+        unsupported_reason=None
+        if what is None
+        else f"{what}; pdserve runs Mamba and Qwen3.5's text model (Qwen3_5ForCausalLM)",
     )
 
 
 # What the engine must know of the runnable models with state (the others are plain).
-_STATE_MODELS = {"MambaForCausalLM": _stateful("MambaForCausalLM", hybrid=False)}
+_STATE_MODELS = {
+    "MambaForCausalLM": _stateful("MambaForCausalLM", hybrid=False),
+    "Qwen3_5ForCausalLM": _stateful("Qwen3_5ForCausalLM", hybrid=True),
+}
 
 
-_QWEN3_5 = (
-    "Qwen3.5 mixes Gated DeltaNet (linear attention with a recurrent state) and attention layers"
-)
+_QWEN3_5_VL = "Qwen3.5's vision-language model needs its vision encoder, which pdserve lacks"
 _UNSUPPORTED: dict[str, ModelInfo] = {
     info.architecture: info
     for info in (
@@ -70,8 +74,7 @@ _UNSUPPORTED: dict[str, ModelInfo] = {
             "Mamba2ForCausalLM", "Mamba-2 is a state-space model without attention", hybrid=False
         ),
         _stateful("JambaForCausalLM", "Jamba mixes Mamba and attention layers", hybrid=True),
-        _stateful("Qwen3_5ForConditionalGeneration", _QWEN3_5, hybrid=True),
-        _stateful("Qwen3_5ForCausalLM", _QWEN3_5, hybrid=True),
+        _stateful("Qwen3_5ForConditionalGeneration", _QWEN3_5_VL, hybrid=True),
     )
 }
 

@@ -16,12 +16,25 @@ way, and its hybrid allocator pads a state page to an attention page's size as t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from pdserve.kernels.attention import AttentionMetadata
 
 # Per layer: the shapes of one request's (conv state, SSM state).
 StateShapes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 StateCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class StateModelCaches(NamedTuple):
+    """What a state model's forward gets: its attention layers' KV views (a hybrid's) and its
+    state layers' (conv, SSM) states."""
+
+    kv: list[torch.Tensor]
+    state: StateCaches
+
 
 _ALIGN = 16  # every state tensor starts on a 16-byte boundary of its block
 
@@ -80,3 +93,37 @@ def describe(shapes: StateShapes, dtype: torch.dtype) -> str:
         f"{n} x (conv {list(conv)} {name}, ssm {list(ssm)} float32)"
         for (conv, ssm), n in counts.items()
     )
+
+
+@dataclass
+class StepPlan:
+    """How a step's requests meet their states, read once for every layer: the slots to zero
+    first, the prompts' (rows, slot) scanned one by one, the one-token steps that continue a
+    state (their rows and slots) run batched."""
+
+    fresh_slots: torch.Tensor
+    prompts: list[tuple[slice, int]]
+    decode_rows: torch.Tensor
+    decode_slots: torch.Tensor
+
+    @classmethod
+    def of(cls, md: AttentionMetadata, device: torch.device) -> StepPlan:
+        assert md.state_slots is not None, "a state model's step names each request's slot"
+        starts = md.query_start_loc.tolist()
+        seq_lens = md.seq_lens[: md.num_reqs].tolist()
+        fresh, prompts, decodes = [], [], []
+        for i, slot in enumerate(md.state_slots.tolist()):
+            num_tokens = starts[i + 1] - starts[i]
+            context = seq_lens[i] - num_tokens
+            if context == 0:
+                fresh.append(slot)
+            if num_tokens == 1 and context > 0:
+                decodes.append((starts[i], slot))
+            else:
+                prompts.append((slice(starts[i], starts[i + 1]), slot))
+        rows, slots = zip(*decodes, strict=True) if decodes else ((), ())
+
+        def tensor(values: list[int] | tuple[int, ...]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(tensor(fresh), prompts, tensor(rows), tensor(slots))

@@ -18,7 +18,12 @@ from pdserve.config import EngineConfig
 from pdserve.distributed import parallel_state
 from pdserve.kernels.linear import pack_linear_weights
 from pdserve.models import loader
-from pdserve.models.state_cache import StateCaches, num_state_rows, state_views
+from pdserve.models.state_cache import (
+    StateCaches,
+    StateModelCaches,
+    num_state_rows,
+    state_views,
+)
 from pdserve.models.utils import KVCacheGeometry, kv_cache_geometry
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
 from pdserve.runners.inputs import StepInputs
@@ -159,7 +164,11 @@ class ModelRunnerBase:
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The final hidden states; None on a pipeline stage before the last."""
         assert self.model is not None, "load_model() first"
-        caches = self.state_caches if self.has_state else self.kv_caches
+        caches = (
+            StateModelCaches(self.kv_caches, self.state_caches)
+            if self.has_state
+            else self.kv_caches
+        )
         args = (inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
         if parallel_state.get_pp_world_size() == 1:
             return self.model(*args)

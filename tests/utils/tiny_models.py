@@ -28,6 +28,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
 )
 
@@ -44,6 +45,7 @@ TINY_ARCHS = (
     "granitemoe",
     "gemma2",
     "mamba",
+    "qwen3_5",
 )
 VOCAB_SIZE = 512
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
@@ -130,6 +132,23 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
             eos_token_id=EOS_TOKEN_ID,
         )
         return MambaConfig(**{**mamba, **overrides})
+    if arch == "qwen3_5":
+        # DeltaNet, attention, DeltaNet, attention; twice the value heads of q/k heads, a quarter
+        # of each attention head turned by rope, as in the real models.
+        qwen = dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25
+            ),
+        )
+        return Qwen3_5TextConfig(**{**_DECODER, **qwen, **overrides})
     if arch == "gemma2":
         # A window shorter than the tests' prompts on the first layer, full attention on the
         # second; the caps where the tiny model's scores and logits reach them.

@@ -162,7 +162,7 @@ class SelfAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        if self.q_norm is None:
+        if self.q_norm is None and self.rotary_emb.rotary_dim == self.head_dim:
             # Rotary, the cache write and attention in one native call where it applies.
             out = rope_attention_cpu(
                 qkv,

@@ -25,6 +25,8 @@ def _stack_weights(layer: nn.Module) -> LayerWeights | None:
         return None
     if attn.attn.window or attn.attn.softcap:  # the stack attends to every key, uncapped
         return None
+    if attn.rotary_emb.rotary_dim != attn.head_dim:  # and turns whole heads
+        return None
     packed = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
     if any(p.packed_weight is None for p in packed):
         return None

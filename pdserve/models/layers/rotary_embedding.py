@@ -90,7 +90,8 @@ def _yarn_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """One per model: every attention layer shares its cos/sin table."""
+    """One per model: every attention layer shares its cos/sin table. With a partial rotary
+    factor (Qwen3.5) only a head's first `rotary_dim` values turn, the rest pass (HF's layout)."""
 
     def __init__(
         self,
@@ -102,12 +103,18 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         table = build_cos_sin_cache(inv_freq, max_position, dtype, attention_factor)
         self.register_buffer("cos_sin_cache", table, persistent=False)
+        self.rotary_dim = 2 * inv_freq.shape[0]
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate query [T, num_heads, head_dim] and key [T, num_kv_heads, head_dim]."""
-        return rotary_embedding(positions, query, key, self.cos_sin_cache)
+        dim = self.rotary_dim
+        if dim == query.shape[-1]:
+            return rotary_embedding(positions, query, key, self.cos_sin_cache)
+        q, k = (x[..., :dim].contiguous() for x in (query, key))
+        q, k = rotary_embedding(positions, q, k, self.cos_sin_cache)
+        return torch.cat((q, query[..., dim:]), dim=-1), torch.cat((k, key[..., dim:]), dim=-1)
 
 
 def get_rope(
@@ -120,11 +127,8 @@ def get_rope(
             f"rope type {rope_type!r} is not supported; supported: "
             f"{', '.join(_SUPPORTED_ROPE_TYPES)}."
         )
-    if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"partial_rotary_factor={rope_parameters['partial_rotary_factor']} is not supported; "
-            "pdserve rotates the whole head."
-        )
+    # HF's rule: the first int(head_dim * factor) values of a head turn.
+    head_dim = int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
     base = rope_parameters["rope_theta"]
     if rope_type == "yarn":
         inv_freq, attention_factor = _yarn_inv_freq(base, head_dim, rope_parameters, max_position)

@@ -31,8 +31,9 @@ def v1(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_mamba_matches_hf(tiny_model, v1, engine: str) -> None:
-    path = tiny_model("mamba")
+@pytest.mark.parametrize("arch", ["mamba", "qwen3_5"])
+def test_state_model_matches_hf(tiny_model, v1, arch: str, engine: str) -> None:
+    path = tiny_model(arch)
     with LLM(model=path, dtype="float32", max_model_len=256, **ENGINES[engine]) as llm:
         assert llm.config.use_v2_model_runner is False  # the rule, not a fallback
         assert llm.config.cache_config.enable_prefix_caching is False
