@@ -1,8 +1,9 @@
-"""Mamba through the split: the prefill instance hands over a request's recurrent state (every
-layer's, in the rows of its one block: models/state_cache.py) and the decode instance continues
-from it, token-exact against HF transformers, pulled over both transports and pushed; what moves
-per request does not grow with the prompt; a prefill killed before the read fails the request
-and leaves the decode side's pool full."""
+"""Models with state through the split (Mamba, and Qwen3.5's hybrid of DeltaNet and attention):
+the prefill instance hands over a request's recurrent state (every layer's, in the rows of its
+one block after the attention layers' KV: models/state_cache.py) and the decode instance
+continues from it, token-exact against HF transformers, pulled over both transports and pushed;
+what moves per request does not grow with the prompt; a prefill killed before the read fails the
+request and leaves the decode side's pool full."""
 
 from __future__ import annotations
 
@@ -25,16 +26,20 @@ ARGS = ["--max-model-len", str(MAX_MODEL_LEN)]
 PUSH = "NixlPushConnector"
 
 
-def state_bytes_bounds(model: str) -> tuple[int, int]:
-    """A block of a Mamba: the state, in rows of MAX_MODEL_LEN float32 pairs (state_cache.py)."""
-    state = slot_bytes(ModelConfig(model=model).state_shapes, torch.float32)
-    return state, state + 2 * MAX_MODEL_LEN * 4
+def block_bytes_bounds(model: str) -> tuple[int, int]:
+    """A request's one block: MAX_MODEL_LEN tokens of its attention layers' KV, then its state
+    in rows of one layer's share (state_cache.py), the last row partly padding."""
+    config = ModelConfig(model=model)
+    geometry = config.kv_cache_geometry
+    row = MAX_MODEL_LEN * geometry.kv_parts * geometry.num_kv_heads * geometry.head_dim * 4
+    low = geometry.num_layers * row + slot_bytes(config.state_shapes, torch.float32)
+    return low, low + row
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["nixl", "ucx"])
-def test_mamba_state_pulled_through_split(tiny_model, transport: str) -> None:
-    model = tiny_model("mamba")
+@pytest.mark.parametrize(("arch", "transport"), [("mamba", "nixl"), ("qwen3_5", "ucx")])
+def test_state_pulled_through_split(tiny_model, arch: str, transport: str) -> None:
+    model = tiny_model(arch)
     expected = hf_greedy(Path(model), PROMPTS, MAX_TOKENS)
     servers: list[RemoteServer] = []
     try:
@@ -50,7 +55,7 @@ def test_mamba_state_pulled_through_split(tiny_model, transport: str) -> None:
             assert resp.json()["choices"][0]["token_ids"] == tokens
             moved.append(d.metric("kv_transfer_bytes_total") - before)
         # One block a request, whatever its prompt: the state and its rows' padding.
-        low, high = state_bytes_bounds(model)
+        low, high = block_bytes_bounds(model)
         assert len(set(moved)) == 1 and low <= moved[0] < high, moved
         # No shipped token to continue from (one token asked): the decode side computes the
         # prompt again rather than apply its last token twice to the state.
@@ -63,7 +68,7 @@ def test_mamba_state_pulled_through_split(tiny_model, transport: str) -> None:
         }
         resp = httpx.post(f"{p.url}/v1/completions", json=hop, timeout=60)
         assert resp.status_code == 400
-        assert "do_remote_decode needs max_tokens=1 for MambaForCausalLM" in resp.text
+        assert "do_remote_decode needs max_tokens=1 for " in resp.text
         for server in servers:
             server.wait_pool_full(timeout=30)
         if transport == "nixl":
@@ -80,14 +85,19 @@ def test_mamba_state_pulled_through_split(tiny_model, transport: str) -> None:
 
 
 @pytest.mark.slow
-def test_mamba_state_pushed_through_proxy(tiny_model) -> None:
-    model = tiny_model("mamba")
+@pytest.mark.parametrize(("arch", "transport"), [("mamba", "ucx"), ("qwen3_5", "nixl")])
+def test_state_pushed_through_proxy(tiny_model, arch: str, transport: str) -> None:
+    model = tiny_model(arch)
     expected = hf_greedy(Path(model), PROMPTS, MAX_TOKENS)
     servers: list[RemoteServer] = []
     try:
-        p = start_instance(model, "kv_producer", "ucx", runner="0", extra_args=ARGS, connector=PUSH)
+        p = start_instance(
+            model, "kv_producer", transport, runner="0", extra_args=ARGS, connector=PUSH
+        )
         servers.append(p)
-        d = start_instance(model, "kv_consumer", "ucx", runner="0", extra_args=ARGS, connector=PUSH)
+        d = start_instance(
+            model, "kv_consumer", transport, runner="0", extra_args=ARGS, connector=PUSH
+        )
         servers.append(d)
         proxy = split_proxy(p, d, "--kv-mode", "push")
         servers.append(proxy)
