@@ -227,6 +227,13 @@ class EngineConfig:
                 arch,
             )
             self.cache_config.enable_prefix_caching = False
+        align, sched = self.model_config.prompt_chunk_alignment, self.scheduler_config
+        if sched.enable_chunked_prefill and sched.max_num_batched_tokens < align:
+            raise ValueError(
+                f"max_num_batched_tokens={sched.max_num_batched_tokens} is below {align}: "
+                f"{arch} computes a prompt in whole chunks of {align} tokens, so a step must "
+                "hold one."
+            )
         par = self.parallel_config
         if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
             raise ValueError(

@@ -175,6 +175,15 @@ class ModelConfig:
         return kv_cache_geometry(self._meta_model())
 
     @cached_property
+    def prompt_chunk_alignment(self) -> int:
+        """Where a step of a prompt may end short of the prompt's end: on multiples of this
+        many tokens (Qwen3.5's DeltaNet chunks; 1: anywhere)."""
+        from pdserve.models import registry
+
+        model_class = registry.get_model_class(self.architecture)
+        return getattr(model_class, "prompt_chunk_alignment", 1)
+
+    @cached_property
     def state_shapes(self) -> StateShapes:
         """A state model's per layer shapes of one request's state (models/state_cache.py);
         none for a model without one."""

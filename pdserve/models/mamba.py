@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.linear import linear
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import ReplicatedLinear
 from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -81,6 +82,20 @@ class MambaMixer(nn.Module):
             conv_states[index], ssm_states[index] = conv, ssm
         return out
 
+    def _selection(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dt [N, inner] float32, B, C [N, state]) of convolved tokens u [N, inner]: row by
+        row the same bits however many rows (the packed linear, not a float32 matmul)."""
+        time_step, B, C = self.x_proj(u).split(
+            [self.time_step_rank, self.state_size, self.state_size], dim=-1
+        )
+        dt = linear(time_step, self.dt_proj.weight, None, self.dt_proj.packed_weight)
+        return F.softplus(dt + self.dt_proj.bias.float()), B, C
+
+    def _convolve(self, padded: torch.Tensor) -> torch.Tensor:
+        """The causal convolution of [N, inner, kernel - 1 + T] inputs: [N, inner, T]."""
+        weight = self.conv1d.weight
+        return F.silu(F.conv1d(padded, weight, self.conv1d.bias, groups=weight.shape[0]))
+
     def _step(
         self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,45 +104,35 @@ class MambaMixer(nn.Module):
         dtype = x.dtype
         u, gate = self.in_proj(x).chunk(2, dim=-1)  # [R, inner] each
         padded = torch.cat((conv_state.to(dtype), u[:, :, None]), dim=2)
-        u = (padded * self.conv1d.weight[:, 0]).sum(dim=-1)
-        if self.conv1d.bias is not None:
-            u = u + self.conv1d.bias
-        u = F.silu(u)
-        time_step, B, C = self.x_proj(u).split(
-            [self.time_step_rank, self.state_size, self.state_size], dim=-1
-        )
-        dt = F.softplus(time_step @ self.dt_proj.weight.t() + self.dt_proj.bias.float())
+        u = self._convolve(padded)[:, :, -1]
+        dt, B, C = self._selection(u)
         A = -torch.exp(self.A_log.float())
         dA = torch.exp(A[None] * dt[:, :, None])  # [R, inner, state]
         state = dA * ssm_state + dt[:, :, None] * B.float()[:, None, :] * u.float()[:, :, None]
-        y = (state.to(dtype) @ C[:, :, None])[..., 0] + u * self.D
+        y = (state.to(dtype) * C[:, None, :]).sum(dim=-1) + u * self.D
         y = y * F.silu(gate)
         return self.out_proj(y.to(dtype)), padded[:, :, 1:], state
 
     def _request(
         self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> torch.Tensor:
-        """One request's tokens [T, hidden] from its states, which it leaves updated."""
+        """One request's tokens [T, hidden] from its states, which it leaves updated: each
+        token's bits those of _step's (its ops, elementwise or row by row)."""
         num_tokens, dtype = x.shape[0], x.dtype
         u, gate = self.in_proj(x).t().chunk(2, dim=0)  # [inner, T] each
         # The causal convolution over the previous kernel - 1 inputs and these.
         padded = torch.cat((conv_state.to(dtype), u), dim=1)
         conv_state.copy_(padded[:, -conv_state.shape[1] :])
-        weight = self.conv1d.weight
-        u = F.conv1d(padded[None], weight, self.conv1d.bias, groups=weight.shape[0])[0]
-        u = F.silu(u).t()  # [T, inner]
-        time_step, B, C = self.x_proj(u).split(
-            [self.time_step_rank, self.state_size, self.state_size], dim=-1
-        )
-        dt = F.softplus(self.dt_proj.weight @ time_step.t() + self.dt_proj.bias.float()[:, None])
+        u = self._convolve(padded[None])[0].t()  # [T, inner]
+        dt, B, C = self._selection(u)
         A = -torch.exp(self.A_log.float())
-        dA = torch.exp(A[:, None, :] * dt[:, :, None])  # [inner, T, state]
-        dBu = dt[:, :, None] * B.float()[None] * u.t().float()[:, :, None]
+        dA = torch.exp(A[None] * dt[:, :, None])  # [T, inner, state]
+        dBu = dt[:, :, None] * B.float()[:, None, :] * u.float()[:, :, None]
         state = ssm_state.float()
         ys = []
         for t in range(num_tokens):
-            state = dA[:, t] * state + dBu[:, t]
-            ys.append(state.to(dtype) @ C[t])
+            state = dA[t] * state + dBu[t]
+            ys.append((state.to(dtype) * C[t]).sum(dim=-1))
         ssm_state.copy_(state)
         y = torch.stack(ys, dim=0) + u * self.D
         y = y * F.silu(gate.t())

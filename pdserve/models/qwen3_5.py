@@ -15,6 +15,7 @@ KV), in the order config.layer_types gives, each followed by Llama's gated MLP.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from pdserve.distributed.parallel_state import IntermediateTensors
 from pdserve.kernels.attention import AttentionMetadata
 from pdserve.models.layers.attention import Attention
 from pdserve.models.layers.decoder import DecoderLayer, head_dim_of
-from pdserve.models.layers.gated_deltanet import GatedDeltaNet
+from pdserve.models.layers.gated_deltanet import CHUNK, GatedDeltaNet
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from pdserve.models.layers.rotary_embedding import RotaryEmbedding
@@ -81,6 +82,8 @@ class GatedSelfAttention(nn.Module):
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
     honours_sliding_window = True  # no window: Qwen3.5's attention layers attend to all
+    # A step of a prompt ends on a DeltaNet chunk's end, or at the prompt's (gated_deltanet.py).
+    prompt_chunk_alignment: ClassVar[int] = CHUNK
 
     def _make_layer(self, layer_idx: int, rotary_emb: RotaryEmbedding) -> nn.Module:
         cfg = self.config

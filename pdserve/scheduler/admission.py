@@ -13,6 +13,7 @@ from pdserve.request import Request, RequestStatus
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.remote_kv import RemoteKVRequests
 from pdserve.scheduler.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
+from pdserve.scheduler.running import cut_short
 from pdserve.scheduler.stats import PromptTokenSources
 
 
@@ -33,8 +34,10 @@ class WaitingAdmission:
         connector: KVConnectorScheduler,
         policy: SchedulingPolicy,
         enable_chunked_prefill: bool,
+        alignment: int = 1,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.alignment = alignment  # where a prompt chunk may end (running.cut_short)
         self.remote_kv = remote_kv
         self.connector = connector
         self.policy = policy
@@ -78,8 +81,10 @@ class WaitingAdmission:
                 if num_new_tokens > token_budget:
                     if not self.enable_chunked_prefill:
                         break  # the prompt waits for a step with room for all of it
-                    num_new_tokens = token_budget
-                assert num_new_tokens > 0
+                    num_new_tokens = cut_short(num_computed_tokens, token_budget, self.alignment)
+                if num_new_tokens <= 0:
+                    break  # the prompt waits for a step with room for a whole chunk
+
             # Parked loads keep their blocks to come free (minus this request's own).
             reservation_change = remote_kv.reservation_change(
                 request, num_computed_tokens, load_kv_async

@@ -25,12 +25,19 @@ class RunningSchedule(NamedTuple):
     token_budget: int  # what is left for the waiting requests
 
 
+def cut_short(num_computed_tokens: int, num_new_tokens: int, alignment: int) -> int:
+    """The tokens of a step the budget cuts short of the request's end: up to a multiple of
+    `alignment` (a model whose prompt chunks must not split: Qwen3.5's DeltaNet), maybe 0."""
+    return (num_computed_tokens + num_new_tokens) // alignment * alignment - num_computed_tokens
+
+
 def schedule_running(
     running: list[Request],
     token_budget: int,
     kv_cache_manager: KVCacheManager,
     policy: SchedulingPolicy,
     preempt: Callable[[Request], None],
+    alignment: int = 1,
 ) -> RunningSchedule:
     """Victims of preemption stay in `running` (the caller drops them once this returns)."""
     num_scheduled_tokens: dict[str, int] = {}
@@ -58,7 +65,7 @@ def schedule_running(
         # sampling past it (a prompt of max_model_len tokens is computed whole, then ends).
         num_new_tokens = num_tokens - request.num_computed_tokens
         if num_new_tokens > token_budget:
-            num_new_tokens = token_budget
+            num_new_tokens = cut_short(request.num_computed_tokens, token_budget, alignment)
             reach_all_tokens = False
             if num_new_tokens <= 0:
                 continue

@@ -58,6 +58,7 @@ class Scheduler:
         enable_kv_cache_events: bool = False,
         structured_output: StructuredOutputManager | None = None,
         has_state: bool = False,
+        prompt_chunk_alignment: int = 1,
     ) -> None:
         self.max_model_len = max_model_len
         # Structured outputs: the bitmask of each step's constrained requests comes from it.
@@ -92,6 +93,7 @@ class Scheduler:
             self.connector,
             self.policy,
             self.enable_chunked_prefill,
+            prompt_chunk_alignment,
         )
 
         self.requests: dict[str, Request] = {}
@@ -137,6 +139,7 @@ class Scheduler:
             self.kv_cache_manager,
             self.policy,
             self._preempt_request,
+            self.admission.alignment,
         )
         num_scheduled_tokens = ran.num_scheduled_tokens
         running = self.running

@@ -1,5 +1,5 @@
-"""Calls into csrc/elementwise_cpu.cpp: RMSNorm, rotary embedding, SiLU- and GELU(tanh)-and-mul
-and a sigmoid gate on CPU in one pass each, in bfloat16 and float32. Each element's result depends only on its
+"""Calls into csrc/elementwise_cpu.cpp: RMSNorm, rotary embedding, SiLU- and GELU(tanh)-and-mul,
+a sigmoid gate and Gated DeltaNet's gates on CPU in one pass each, in bfloat16 and float32. Each element's result depends only on its
 row: torch's float32 kernels run a batch's last elements (and each thread's) through scalar
 code whose exp differs from the vector one in the last bit, so their bits would depend on the
 batch (batch invariance). Each returns None where it does not apply, and the caller runs its
@@ -157,3 +157,37 @@ def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+def deltanet_gates(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's gates of tokens a, b [N, heads]: (g, exp(g), beta), float32, with
+    g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (rounded to the dtype
+    first, as HF's), each row's bits its own."""
+    fn = None
+    if _applies(a, b, a_log, dt_bias) and a.stride() == b.stride() and a.stride(-1) == 1:
+        fn = native.function(
+            "elementwise_cpu", "pdserve_deltanet_gates", _INT, _P, _P, _I64, _P, _P, _P, _P, _P,
+            _I64, _I64, _INT,
+        )  # fmt: skip
+    if fn is None:
+        g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+        return g, g.exp(), b.sigmoid().float()
+    rows, heads = a.shape
+    g, decay, beta = (torch.empty(rows, heads, dtype=torch.float32) for _ in range(3))
+    fn(
+        _DTYPES[a.dtype],
+        a.data_ptr(),
+        b.data_ptr(),
+        a.stride(0),
+        a_log.data_ptr(),
+        dt_bias.data_ptr(),
+        g.data_ptr(),
+        decay.data_ptr(),
+        beta.data_ptr(),
+        rows,
+        heads,
+        torch.get_num_threads(),
+    )
+    return g, decay, beta

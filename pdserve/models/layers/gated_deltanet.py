@@ -3,8 +3,12 @@ recurrent state per value head [key_dim, value_dim] that decays by exp(g) and le
 key -> value by the delta rule at rate beta; the output reads the state with the query, is
 normalized per head and gated by silu(z).
 
-A prompt (or a chunk of one) runs the chunked form, 64 tokens a chunk from its start, as HF's
-torch fallback computes it; a decode step runs the recurrent form for every request at once.
+A prompt runs the chunked form (HF's torch fallback's math) on its whole 64-token chunks, which
+the scheduler never splits (Qwen3.5's `prompt_chunk_alignment`), and the recurrent form on the
+tokens after its last whole chunk; a decode step runs the recurrent form for every request at
+once. So a token's bits depend on its prompt and position alone, never on the other requests of
+its step or how the scheduler cut its prompt (batch invariance): every chunk is computed the same
+way from the same state, and the recurrent form is elementwise per request.
 The state lives in the request's slot (models/state_cache.py): the convolution's last
 kernel - 1 inputs in the model's dtype, the recurrent state in float32. The scans run in float32.
 """
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from pdserve.kernels.cpu.elementwise import deltanet_gates
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import ReplicatedLinear
 from pdserve.models.state_cache import StepPlan
@@ -35,48 +40,40 @@ def chunked_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's tokens by chunks: q, k [H, T, K] (normalized, q scaled), v [H, T, V],
-    g, beta [H, T], state [H, K, V], all float32. Returns (out [H, T, V], the final state).
+    """One chunk of CHUNK tokens: q, k [H, C, K] (normalized, q scaled), v [H, C, V],
+    g, beta [H, C], state [H, K, V], all float32. Returns (out [H, C, V], the state after it).
 
-    Within a chunk the delta rule's updates are one triangular solve (the UT transform); the
-    state carries from chunk to chunk."""
-    heads, num_tokens, value_dim = v.shape
-    pad = -num_tokens % CHUNK
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    The chunk's delta rule updates are one triangular solve (the UT transform). A chunk at a
+    time, never several in one batched matmul: a chunk's bits must not depend on how many
+    others its prompt's step holds."""
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    q, k, k_beta, v_beta = (x.unflatten(1, (-1, CHUNK)) for x in (q, k, k_beta, v_beta))
-    g = g.unflatten(1, (-1, CHUNK)).cumsum(dim=-1)  # log decay from the chunk's start
+    g = g.cumsum(dim=-1)  # log decay from the chunk's start
     above = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
     decay = (g[..., :, None] - g[..., None, :]).masked_fill(above, float("-inf")).exp()
     system = (k_beta @ k.transpose(-1, -2)) * decay
-    intra = (q @ k.transpose(-1, -2)) * decay
     new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(
         system, k_beta * g.exp()[..., None], upper=False, unitriangular=True
     )
-    q = q * g.exp()[..., None]
+    u = new_v - k_cumdecay @ state
+    out = (q * g.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ u
     k = k * (g[..., -1:] - g).exp()[..., None]
-    chunk_decay = g[..., -1].exp()[..., None, None]
-    out = torch.empty_like(new_v)
-    for i in range(q.shape[1]):
-        u = new_v[:, i] - k_cumdecay[:, i] @ state
-        out[:, i] = q[:, i] @ state + intra[:, i] @ u
-        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ u
-    return out.reshape(heads, -1, value_dim)[:, :num_tokens], state
+    state = state * g[..., -1].exp()[..., None, None] + k.transpose(-1, -2) @ u
+    return out, state
 
 
 def recurrent_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    decay: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of R requests: q, k [R, H, K] (normalized, q scaled), v [R, H, V],
-    g, beta [R, H], state [R, H, K, V], float32. Returns (out [R, H, V], the new states)."""
-    state = state * g.exp()[..., None, None]
+    decay (exp(g)) and beta [R, H], state [R, H, K, V], float32. Returns (out [R, H, V], the
+    new states)."""
+    state = state * decay[..., None, None]
     remembered = (state * k[..., None]).sum(dim=-2)
     delta = (v - remembered) * beta[..., None]
     state = state + k[..., None] * delta[..., None, :]
@@ -149,11 +146,9 @@ class GatedDeltaNet(nn.Module):
             conv_states[slots], ssm_states[slots] = conv, ssm
         return out
 
-    def _inputs(
-        self, x: torch.Tensor, mixed: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _inputs(self, x: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """From the convolved q/k/v [N, conv_dim] of tokens x: q, k [N, Hv, K] normalized (q
-        not yet scaled), v [N, Hv, V], g and beta [N, Hv], in float32."""
+        not yet scaled), v [N, Hv, V], and g, exp(g), beta [N, Hv], in float32."""
         q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = self.num_v_heads // self.num_k_heads  # each q/k head serves `repeat` v heads
         q, k = (
@@ -163,9 +158,8 @@ class GatedDeltaNet(nn.Module):
             for t in (q, k)
         )
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        beta = self.in_proj_b(x).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        return q, k, v, g, beta
+        gates = deltanet_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        return q, k, v, *gates
 
     def _output(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """core [N, Hv, V] in x's dtype: normalized per head, gated by silu(z), projected."""
@@ -177,17 +171,30 @@ class GatedDeltaNet(nn.Module):
     def _prompt(
         self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> torch.Tensor:
-        """One request's tokens [T, hidden] from its states, which it leaves updated."""
+        """One request's tokens [T, hidden] from its states, which it leaves updated: whole
+        chunks by the chunked form, the rest token by token (the scheduler starts each step of a
+        prompt at a chunk's start)."""
         dtype, weight = x.dtype, self.conv1d.weight
         padded = torch.cat((conv_state.to(dtype), self.in_proj_qkv(x).t()), dim=1)
         conv_state.copy_(padded[:, -conv_state.shape[1] :])
         mixed = F.silu(F.conv1d(padded[None], weight, groups=self.conv_dim)[0]).t()
-        q, k, v, g, beta = self._inputs(x, mixed)
-        q = q * self.head_k_dim**-0.5
-        heads_first = [t.transpose(0, 1) for t in (q, k, v, g, beta)]
-        core, final = chunked_delta_rule(*heads_first, ssm_state.float())
-        ssm_state.copy_(final)
-        return self._output(core.transpose(0, 1).to(dtype), x)
+        q, k, v, g, decay, beta = self._inputs(x, mixed)
+        state, num_chunked = ssm_state.float(), x.shape[0] // CHUNK * CHUNK
+        core, scaled_q = [], q * self.head_k_dim**-0.5
+        for start in range(0, num_chunked, CHUNK):
+            rows = slice(start, start + CHUNK)
+            args = [t[rows].transpose(0, 1) for t in (scaled_q, k, v, g, beta)]
+            out, state = chunked_delta_rule(*args, state)
+            core.append(out.transpose(0, 1))
+        state = state[None]
+        for t in range(num_chunked, x.shape[0]):
+            rows = slice(t, t + 1)
+            out, state = recurrent_delta_rule(
+                q[rows] / self.head_k_dim**0.5, k[rows], v[rows], decay[rows], beta[rows], state
+            )
+            core.append(out)
+        ssm_state.copy_(state[0])
+        return self._output(torch.cat(core).to(dtype), x)
 
     def _step(
         self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
@@ -197,7 +204,7 @@ class GatedDeltaNet(nn.Module):
         dtype = x.dtype
         padded = torch.cat((conv_state.to(dtype), self.in_proj_qkv(x)[:, :, None]), dim=2)
         mixed = F.silu(F.conv1d(padded, self.conv1d.weight, groups=self.conv_dim)[:, :, -1])
-        q, k, v, g, beta = self._inputs(x, mixed)
+        q, k, v, _, decay, beta = self._inputs(x, mixed)
         q = q / self.head_k_dim**0.5
-        core, state = recurrent_delta_rule(q, k, v, g, beta, ssm_state)
+        core, state = recurrent_delta_rule(q, k, v, decay, beta, ssm_state)
         return self._output(core.to(dtype), x), padded[:, :, 1:], state

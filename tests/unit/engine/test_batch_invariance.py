@@ -23,12 +23,20 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("runner", list(RUNNERS))
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_probes_answer_alike_alone_and_in_a_crowd(tiny_model, monkeypatch, runner, dtype):
+CASES = [
+    *[("llama", runner, dtype) for runner in RUNNERS for dtype in ("bfloat16", "float32")],
+    # The models with state run on V1: their scans and chunked DeltaNet too.
+    *[(arch, "v1", dtype) for arch in ("mamba", "qwen3_5") for dtype in ("bfloat16", "float32")],
+]
+
+
+@pytest.mark.parametrize(("arch", "runner", "dtype"), CASES)
+def test_probes_answer_alike_alone_and_in_a_crowd(tiny_model, monkeypatch, arch, runner, dtype):
     monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", RUNNERS[runner])
     rng = random.Random(7)
-    probes = [[rng.randrange(4, 500) for _ in range(n)] for n in (5, 23, 61)]
+    # The longest is computed in pieces in the crowd (and by Qwen3.5 as a whole DeltaNet chunk
+    # and a recurrent tail).
+    probes = [[rng.randrange(4, 500) for _ in range(n)] for n in (5, 23, 61, 150)]
     probe_tokens = 12
     # Prompts of random lengths, some sharing a probe's first blocks (its prefix-cache hits come
     # from them, at whatever length they computed when the probe arrives).
@@ -38,7 +46,7 @@ def test_probes_answer_alike_alone_and_in_a_crowd(tiny_model, monkeypatch, runne
         head = probes[i % 3][: rng.choice([0, 16, 32])] if i % 4 == 0 else []
         crowd.append(head + [rng.randrange(4, 500) for _ in range(n)])
     with LLM(
-        model=tiny_model("llama"),
+        model=tiny_model(arch),
         dtype=dtype,
         max_model_len=256,
         max_num_seqs=64,
@@ -47,7 +55,8 @@ def test_probes_answer_alike_alone_and_in_a_crowd(tiny_model, monkeypatch, runne
         alone = [_generate(llm, [p], [probe_tokens])[0] for p in probes]
         # In the crowd the probes also hit the blocks their lone runs left in the cache.
         # The probes at the front, the middle and the back of the crowd.
-        prompts = [probes[0], *crowd[:20], probes[1], *crowd[20:], probes[2]]
+        prompts = [probes[0], *crowd[:20], probes[1], *crowd[20:30], probes[3], *crowd[30:]]
+        prompts.append(probes[2])
         lengths = [probe_tokens if p in probes else rng.randrange(1, 20) for p in prompts]
         together = _generate(llm, prompts, lengths)
     got = [together[prompts.index(p)] for p in probes]

@@ -18,8 +18,9 @@ from tests.unit.engine.test_correctness import assert_pool_full, make_prompts, r
 
 ENGINES = {
     "batched": {},
-    "chunked-16": {"max_num_batched_tokens": 16, "max_num_seqs": 8},
-    "chunked-40": {"max_num_batched_tokens": 40, "max_num_seqs": 8},
+    # Qwen3.5 computes a prompt in whole chunks of 64 tokens: its budgets hold one.
+    "chunked-small": {"max_num_batched_tokens": {"mamba": 16, "qwen3_5": 64}, "max_num_seqs": 8},
+    "chunked-large": {"max_num_batched_tokens": {"mamba": 40, "qwen3_5": 100}, "max_num_seqs": 8},
     # 3 state slots for 8 prompts: they take turns.
     "three-slots": {"num_gpu_blocks_override": 4},
 }
@@ -34,7 +35,8 @@ def v1(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("arch", ["mamba", "qwen3_5"])
 def test_state_model_matches_hf(tiny_model, v1, arch: str, engine: str) -> None:
     path = tiny_model(arch)
-    with LLM(model=path, dtype="float32", max_model_len=256, **ENGINES[engine]) as llm:
+    args = {k: v[arch] if isinstance(v, dict) else v for k, v in ENGINES[engine].items()}
+    with LLM(model=path, dtype="float32", max_model_len=256, **args) as llm:
         assert llm.config.use_v2_model_runner is False  # the rule, not a fallback
         assert llm.config.cache_config.enable_prefix_caching is False
         prompts = make_prompts(llm.config.model_config.vocab_size)
@@ -58,6 +60,13 @@ def test_mamba_runs_on_v1_and_names_what_v2_lacks(tiny_model, monkeypatch, caplo
         ValueError, match="^Model Runner V2 does not yet support: hybrid/mamba models$"
     ):
         EngineConfig.from_engine_args(model=path)
+
+
+def test_a_qwen3_5_step_holds_a_whole_deltanet_chunk(tiny_model, v1) -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens=40 is below 64: Qwen3_5"):
+        EngineConfig.from_engine_args(
+            model=tiny_model("qwen3_5"), max_num_batched_tokens=40, max_num_seqs=8
+        )
 
 
 def test_state_models_refuse_tp_by_name(tiny_model, v1) -> None:

@@ -134,3 +134,24 @@ def test_float32_runs_the_kernels_per_row(monkeypatch: pytest.MonkeyPatch) -> No
     assert elementwise_cpu.silu_and_mul(x.half()) is None
     monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "torch")
     assert elementwise_cpu.silu_and_mul(x.to(BF16)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_deltanet_gates_match_reference_and_keep_each_rows_bits(dtype: torch.dtype) -> None:
+    """Qwen3.5's DeltaNet gates: torch's values (softplus's linear branch too), and a row's
+    bits the same alone as in any batch (4 heads a row: torch's ops would run a lone row through
+    scalar code and a batch's first rows through vector code)."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(37, 4, generator=gen).mul(8).to(dtype) for _ in range(2))
+    a_log, dt_bias = torch.randn(4, generator=gen).to(dtype), torch.randn(4, generator=gen)
+    a[0, 0] = 30  # softplus is the identity past 20
+    g, decay, beta = elementwise_cpu.deltanet_gates(a, b, a_log, dt_bias.to(dtype))
+    ref_g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.to(dtype))
+    torch.testing.assert_close(g, ref_g, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decay, ref_g.exp(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        beta, b.sigmoid().float(), atol=1e-2 if dtype == BF16 else 1e-6, rtol=0
+    )
+    for rows in (1, 2, 17):
+        parts = elementwise_cpu.deltanet_gates(a[:rows], b[:rows], a_log, dt_bias.to(dtype))
+        assert all(torch.equal(p, full[:rows]) for p, full in zip(parts, (g, decay, beta)))

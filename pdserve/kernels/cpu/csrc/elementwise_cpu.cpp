@@ -1,6 +1,6 @@
 // The small kernels between the matmuls of a decoder layer, each one pass over its rows where
 // the torch reference takes five to ten: RMSNorm (with the residual add before it), rotary
-// embedding, SiLU- and GELU(tanh)-and-mul, a sigmoid gate. They round where the reference rounds (after every operation in
+// embedding, SiLU- and GELU(tanh)-and-mul, a sigmoid gate, Gated DeltaNet's gates. They round where the reference rounds (after every operation in
 // the activation dtype), so they differ from it only in the order of the variance sum and in
 // the last bit of SiLU's exp.
 // Built and loaded by pdserve/kernels/cpu/native.py; rows split over torch's OpenMP threads.
@@ -86,7 +86,45 @@ void sigmoid_mul(const typename K::T* gate, int64_t stride_gate, const typename 
   }
 }
 
+// Gated DeltaNet's gates of each token (row) and value head: g = -exp(A_log) * softplus(a +
+// dt_bias) in float32 (softplus linear above 20, as torch's), the step's decay exp(g), and
+// beta = sigmoid(b) rounded to the dtype. Every row runs the same loop over its heads, so a
+// head's gates have the same bits in any row of any batch (a vectorized torch op over a few
+// heads per row gives a batch's last rows a scalar exp of other bits).
+template <typename K>
+void deltanet_gates(const typename K::T* a, const typename K::T* b, int64_t stride,
+                    const typename K::T* a_log, const typename K::T* dt_bias, float* g,
+                    float* decay, float* beta, int64_t rows, int64_t heads, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * heads >= kParallelMinElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float x = K::load(a[r * stride + h]) + K::load(dt_bias[h]);
+      const float softplus = x > 20.f ? x : std::log1p(std::exp(x));
+      const float gate = -std::exp(K::load(a_log[h])) * softplus;
+      g[r * heads + h] = gate;
+      decay[r * heads + h] = std::exp(gate);
+      const float bb = K::load(b[r * stride + h]);
+      beta[r * heads + h] = rounded<K>(1.f / (1.f + std::exp(std::min(-bb, 88.f))));
+    }
+  }
+}
+
 }  // namespace
+
+extern "C" void pdserve_deltanet_gates(int dtype, const void* a, const void* b, int64_t stride,
+                                       const void* a_log, const void* dt_bias, float* g,
+                                       float* decay, float* beta, int64_t rows, int64_t heads,
+                                       int num_threads) {
+  if (dtype == 0)
+    deltanet_gates<F32>(static_cast<const float*>(a), static_cast<const float*>(b), stride,
+                        static_cast<const float*>(a_log), static_cast<const float*>(dt_bias), g,
+                        decay, beta, rows, heads, num_threads);
+  else
+    deltanet_gates<BF16>(static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b),
+                         stride, static_cast<const uint16_t*>(a_log),
+                         static_cast<const uint16_t*>(dt_bias), g, decay, beta, rows, heads,
+                         num_threads);
+}
 
 // dtype: 0 float32, 1 bfloat16. `residual` may be null (then `residual_out` is unused).
 extern "C" void pdserve_rms_norm(int dtype, const void* x, const void* residual,
