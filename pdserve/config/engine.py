@@ -215,8 +215,9 @@ class EngineConfig:
             )
 
     def _check_state_model(self) -> None:
-        """A model with recurrent state (Mamba) keeps it in slots of one worker, not in hashed
-        blocks: no prefix cache (logged once), and what it does not do yet is refused by name."""
+        """A model with recurrent state (Mamba, Qwen3.5) keeps it in a slot per request, not in
+        hashed blocks: no prefix cache (logged once), and what it does not do yet is refused by
+        name."""
         arch = self.model_config.architecture
         # One block a request, its state's slot (models/state_cache.py).
         self.cache_config.block_size = self.model_config.max_model_len
@@ -234,12 +235,22 @@ class EngineConfig:
                 f"{arch} computes a prompt in whole chunks of {align} tokens, so a step must "
                 "hold one."
             )
-        par = self.parallel_config
-        if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
+        par, hf = self.parallel_config, self.model_config.hf_config
+        if par.pipeline_parallel_size > 1:
             raise ValueError(
                 f"{arch} keeps a recurrent state per request, which pdserve does not split over "
-                "ranks yet: tensor_parallel_size and pipeline_parallel_size must be 1."
+                "pipeline stages yet: pipeline_parallel_size must be 1."
             )
+        # Split over TP ranks by channel (Mamba) or head (Qwen3.5's DeltaNet).
+        for name in ("intermediate_size", "linear_num_key_heads", "linear_num_value_heads"):
+            count = getattr(hf, name, None)
+            if count is not None and count % par.tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size={par.tensor_parallel_size} does not divide the "
+                    f"model's {name}={count}."
+                )
+        # Cached now, while no TP group is set up: the KV connector's handshake compares it.
+        _ = self.model_config.state_shapes
 
     def _check_pipeline_stages(self) -> None:
         pp, num_layers = self.parallel_config.pipeline_parallel_size, self.model_config.num_layers

@@ -19,42 +19,52 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from pdserve.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.linear import linear
 from pdserve.models.layers.layernorm import RMSNorm
-from pdserve.models.layers.linear import ReplicatedLinear
+from pdserve.models.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from pdserve.models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.models.state_cache import StateModelCaches, StepPlan
-from pdserve.models.utils import load_checkpoint_weights
+from pdserve.models.utils import load_checkpoint_weights, sharded_loader
 
 
 class MambaMixer(nn.Module):
+    """HF's MambaMixer, its channels (inner) split over TP ranks: in_proj and dt_proj by output,
+    x_proj and out_proj by input (their partial sums added over ranks), the convolution, A and
+    D by channel; each rank keeps its channels' states."""
+
     def __init__(self, hf_config: PretrainedConfig, params_dtype: torch.dtype) -> None:
         super().__init__()
         cfg = hf_config
         inner, self.state_size = cfg.intermediate_size, cfg.state_size
         self.time_step_rank = int(cfg.time_step_rank)
         self.conv_kernel = cfg.conv_kernel
-        self.in_proj = ReplicatedLinear(cfg.hidden_size, 2 * inner, cfg.use_bias, params_dtype)
+        self.in_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [inner, inner], cfg.use_bias, params_dtype
+        )
+        local = inner // get_tensor_model_parallel_world_size()
         # Depthwise: one filter of conv_kernel taps per channel (HF's Conv1d weight layout).
         self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(
-            torch.empty(inner, 1, cfg.conv_kernel, dtype=params_dtype), requires_grad=False
-        )
-        self.conv1d.bias = (
-            nn.Parameter(torch.empty(inner, dtype=params_dtype), requires_grad=False)
-            if cfg.use_conv_bias
-            else None
-        )
-        self.x_proj = ReplicatedLinear(
+        self.conv1d.weight = self._channels(local, 1, cfg.conv_kernel, dtype=params_dtype)
+        self.conv1d.bias = self._channels(local, dtype=params_dtype) if cfg.use_conv_bias else None
+        self.x_proj = RowParallelLinear(
             inner, self.time_step_rank + 2 * cfg.state_size, False, params_dtype
         )
-        self.dt_proj = ReplicatedLinear(self.time_step_rank, inner, True, params_dtype)
-        self.A_log = nn.Parameter(
-            torch.empty(inner, cfg.state_size, dtype=params_dtype), requires_grad=False
-        )
-        self.D = nn.Parameter(torch.empty(inner, dtype=params_dtype), requires_grad=False)
-        self.out_proj = ReplicatedLinear(inner, cfg.hidden_size, cfg.use_bias, params_dtype)
+        self.dt_proj = ColumnParallelLinear(self.time_step_rank, inner, True, params_dtype)
+        self.A_log = self._channels(local, cfg.state_size, dtype=params_dtype)
+        self.D = self._channels(local, dtype=params_dtype)
+        self.out_proj = RowParallelLinear(inner, cfg.hidden_size, cfg.use_bias, params_dtype)
+
+    @staticmethod
+    def _channels(local: int, *shape: int, dtype: torch.dtype) -> nn.Parameter:
+        """A parameter of this rank's `local` channels (its rows of the checkpoint's)."""
+        param = nn.Parameter(torch.empty(local, *shape, dtype=dtype), requires_grad=False)
+        return sharded_loader(param, [local * get_tensor_model_parallel_world_size()])
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(conv state, SSM state) of one request."""

@@ -40,18 +40,22 @@ class GatedSelfAttention(nn.Module):
         super().__init__()
         cfg = hf_config
         self.head_dim = head_dim_of(cfg)
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        # Each head's query and gate, as q_proj lays them out: twice the heads to the projection.
+        # Each head's query and gate, as q_proj lays them out: twice the heads to the projection
+        # (a rank's share of them a whole number of heads, each its query and gate).
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             self.head_dim,
-            2 * self.num_heads,
-            self.num_kv_heads,
+            2 * cfg.num_attention_heads,
+            cfg.num_key_value_heads,
             cfg.attention_bias,
             params_dtype,
         )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            self.num_heads * self.head_dim, cfg.hidden_size, cfg.attention_bias, params_dtype
+            cfg.num_attention_heads * self.head_dim,
+            cfg.hidden_size,
+            cfg.attention_bias,
+            params_dtype,
         )
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, params_dtype)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, params_dtype)

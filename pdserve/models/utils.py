@@ -24,6 +24,8 @@ from pdserve.distributed.parallel_state import (
     get_pp_indices,
     get_pp_rank,
     get_pp_world_size,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
 )
 from pdserve.models.layers.attention import Attention
 
@@ -120,6 +122,24 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
             f"shape {tuple(param.shape)}"
         )
     param.data.copy_(loaded)
+
+
+def shard_sections(
+    loaded: torch.Tensor, sizes: Sequence[int], rank: int, num_shards: int
+) -> torch.Tensor:
+    """Of `loaded`'s rows, sections of `sizes` one after another (a fused projection, a
+    convolution over its outputs): part `rank` of each section, concatenated."""
+    parts = loaded.split(list(sizes), dim=0)
+    return torch.cat([shard_tensor(part, 0, rank, num_shards) for part in parts])
+
+
+def sharded_loader(param: nn.Parameter, sizes: Sequence[int]) -> nn.Parameter:
+    """`param` loading this TP rank's part of each section of `sizes` along dim 0."""
+    rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    param.weight_loader = lambda p, loaded: default_weight_loader(
+        p, shard_sections(loaded, sizes, rank, size)
+    )
+    return param
 
 
 def shard_tensor(loaded: torch.Tensor, dim: int, rank: int, num_shards: int) -> torch.Tensor:

@@ -26,26 +26,29 @@ ARGS = ["--max-model-len", str(MAX_MODEL_LEN)]
 PUSH = "NixlPushConnector"
 
 
-def block_bytes_bounds(model: str) -> tuple[int, int]:
-    """A request's one block: MAX_MODEL_LEN tokens of its attention layers' KV, then its state
-    in rows of one layer's share (state_cache.py), the last row partly padding."""
+def block_bytes_bounds(model: str, tp: int) -> tuple[int, int]:
+    """What the decode ranks read for a request's one block: on each, MAX_MODEL_LEN tokens of
+    its attention layers' KV (its share of the KV heads), then its share of the state in rows
+    of one layer's share (state_cache.py), the last row partly padding."""
     config = ModelConfig(model=model)
     geometry = config.kv_cache_geometry
-    row = MAX_MODEL_LEN * geometry.kv_parts * geometry.num_kv_heads * geometry.head_dim * 4
-    low = geometry.num_layers * row + slot_bytes(config.state_shapes, torch.float32)
-    return low, low + row
+    heads = max(1, geometry.num_kv_heads // tp)
+    row = MAX_MODEL_LEN * geometry.kv_parts * heads * geometry.head_dim * 4
+    low = geometry.num_layers * row + slot_bytes(config.state_shapes, torch.float32) // tp
+    return tp * low, tp * (low + row)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "transport"), [("mamba", "nixl"), ("qwen3_5", "ucx")])
-def test_state_pulled_through_split(tiny_model, arch: str, transport: str) -> None:
+@pytest.mark.parametrize(("arch", "transport", "tp"), [("mamba", "nixl", 1), ("qwen3_5", "ucx", 2)])
+def test_state_pulled_through_split(tiny_model, arch: str, transport: str, tp: int) -> None:
+    """With TP 2 each decode rank reads its prefill rank's share of the state."""
     model = tiny_model(arch)
     expected = hf_greedy(Path(model), PROMPTS, MAX_TOKENS)
     servers: list[RemoteServer] = []
     try:
-        p = start_instance(model, "kv_producer", transport, runner="0", extra_args=ARGS)
+        p = start_instance(model, "kv_producer", transport, tp, runner="0", extra_args=ARGS)
         servers.append(p)
-        d = start_instance(model, "kv_consumer", transport, runner="0", extra_args=ARGS)
+        d = start_instance(model, "kv_consumer", transport, tp, runner="0", extra_args=ARGS)
         servers.append(d)
         moved = []
         for prompt, tokens in zip(PROMPTS, expected):
@@ -55,7 +58,7 @@ def test_state_pulled_through_split(tiny_model, arch: str, transport: str) -> No
             assert resp.json()["choices"][0]["token_ids"] == tokens
             moved.append(d.metric("kv_transfer_bytes_total") - before)
         # One block a request, whatever its prompt: the state and its rows' padding.
-        low, high = block_bytes_bounds(model)
+        low, high = block_bytes_bounds(model, tp)
         assert len(set(moved)) == 1 and low <= moved[0] < high, moved
         # No shipped token to continue from (one token asked): the decode side computes the
         # prompt again rather than apply its last token twice to the state.

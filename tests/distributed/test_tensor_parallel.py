@@ -97,3 +97,25 @@ def test_llm_tp2_matches_hf(tiny_model: Callable[[str], str]) -> None:
         assert list(entries) == list(dict.fromkeys([token, *top]))
         assert entries[token].rank == int((want[pos] >= want[pos, token]).sum())
         assert entries[token].logprob == pytest.approx(float(want[pos, token]), abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mamba", "qwen3_5"])
+def test_state_models_tp2_match_hf(
+    tiny_model: Callable[[str], str], arch: str, monkeypatch
+) -> None:
+    """Mamba's channels and Qwen3.5's DeltaNet heads split over two ranks, each rank keeping
+    its share of every request's state in its blocks: HF's greedy tokens, prompts chunked."""
+    monkeypatch.delenv("PDSERVE_USE_V2_MODEL_RUNNER", raising=False)
+    path = tiny_model(arch)
+    with LLM(
+        model=path,
+        dtype="float32",
+        max_model_len=256,
+        tensor_parallel_size=TP_SIZE,
+        distributed_executor_backend="mp",
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+    ) as llm:
+        prompts = make_prompts(VOCAB_SIZE)
+        assert run(llm, prompts) == reference(path, prompts)

@@ -218,7 +218,9 @@ def compatibility_factors(
         "num_layers": num_layers,
         "block_size": block_size,
         "transport": transport,
-        "state_layout": state_layout or "none",
+        # A rank's state rows hold its share of the channels: equal TP sizes only (vLLM's rule
+        # for hybrid models).
+        "state_layout": f"{state_layout} over TP {tp_size}" if state_layout else "none",
     }
 
 

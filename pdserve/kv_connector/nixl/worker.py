@@ -131,7 +131,11 @@ class NixlConnectorWorker:
         board = self.leases.make_board(region.shape[0] + self.max_num_seqs)
         self.board_region = self.transport.register_region(board)
         self.topology = Topology(
-            kv_cache, self.tp_rank, self.tp_size, self.transport, region.device
+            kv_cache,
+            self.tp_rank,
+            self.tp_size,
+            self.transport,
+            region.device,
         )
         self.handshaker = Handshaker(
             self.transport,

@@ -20,10 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from pdserve.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pdserve.kernels.cpu.elementwise import deltanet_gates
 from pdserve.models.layers.layernorm import RMSNorm
-from pdserve.models.layers.linear import ReplicatedLinear
+from pdserve.models.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from pdserve.models.state_cache import StepPlan
+from pdserve.models.utils import sharded_loader
 
 CHUNK = 64
 
@@ -81,32 +87,39 @@ def recurrent_delta_rule(
 
 
 class GatedDeltaNet(nn.Module):
-    """One layer, as a decoder layer's mixer: HF's `linear_attn` (Qwen3_5GatedDeltaNet)."""
+    """One layer, as a decoder layer's mixer: HF's `linear_attn` (Qwen3_5GatedDeltaNet), its
+    heads split over TP ranks (q/k heads and the value heads they serve together): the input
+    projections and the convolution by head, out_proj by input (its partial sums added over
+    ranks); each rank keeps its heads' states."""
 
     def __init__(self, hf_config: PretrainedConfig, params_dtype: torch.dtype) -> None:
         super().__init__()
-        cfg = hf_config
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        cfg, tp = hf_config, get_tensor_model_parallel_world_size()
+        self.num_k_heads = cfg.linear_num_key_heads // tp
+        self.num_v_heads = cfg.linear_num_value_heads // tp
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = cfg.linear_conv_kernel_dim
-        hidden = cfg.hidden_size
-        self.in_proj_qkv = ReplicatedLinear(hidden, self.conv_dim, False, params_dtype)
-        self.in_proj_z = ReplicatedLinear(hidden, self.value_dim, False, params_dtype)
-        self.in_proj_b = ReplicatedLinear(hidden, self.num_v_heads, False, params_dtype)
-        self.in_proj_a = ReplicatedLinear(hidden, self.num_v_heads, False, params_dtype)
-        self.conv1d = nn.Module()  # depthwise, no bias (HF's Conv1d weight layout)
-        self.conv1d.weight = nn.Parameter(
-            torch.empty(self.conv_dim, 1, self.conv_kernel, dtype=params_dtype),
-            requires_grad=False,
+        hidden, sections = cfg.hidden_size, [tp * self.key_dim] * 2 + [tp * self.value_dim]
+        self.in_proj_qkv = MergedColumnParallelLinear(hidden, sections, False, params_dtype)
+        self.in_proj_z = ColumnParallelLinear(hidden, tp * self.value_dim, False, params_dtype)
+        self.in_proj_b = ColumnParallelLinear(hidden, tp * self.num_v_heads, False, params_dtype)
+        self.in_proj_a = ColumnParallelLinear(hidden, tp * self.num_v_heads, False, params_dtype)
+        self.conv1d = nn.Module()  # depthwise over q, k, v's channels, no bias (HF's layout)
+        weight = torch.empty(self.conv_dim, 1, self.conv_kernel, dtype=params_dtype)
+        self.conv1d.weight = sharded_loader(nn.Parameter(weight, False), sections)
+        heads = [tp * self.num_v_heads]
+        self.dt_bias = sharded_loader(
+            nn.Parameter(torch.empty(self.num_v_heads, dtype=params_dtype), False), heads
         )
-        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=params_dtype), False)
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=params_dtype), False)
+        self.A_log = sharded_loader(
+            nn.Parameter(torch.empty(self.num_v_heads, dtype=params_dtype), False), heads
+        )
         # The gated norm's weight is a plain scale (not Qwen3.5's 1 + weight).
         self.norm = RMSNorm(self.head_v_dim, cfg.rms_norm_eps, params_dtype)
-        self.out_proj = ReplicatedLinear(self.value_dim, hidden, False, params_dtype)
+        self.out_proj = RowParallelLinear(tp * self.value_dim, hidden, False, params_dtype)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(conv state, recurrent state) of one request."""

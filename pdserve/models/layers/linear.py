@@ -16,7 +16,7 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from pdserve.kernels.linear import PackedWeight, linear
-from pdserve.models.utils import default_weight_loader, shard_tensor
+from pdserve.models.utils import default_weight_loader, shard_sections, shard_tensor
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -83,7 +83,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, params_dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        """One projection's checkpoint tensor (`shard_id`: which), or all of them as one
+        (Mamba's in_proj, Qwen3.5's in_proj_qkv: None)."""
+        if shard_id is None:
+            shard = shard_sections(loaded, self.output_sizes, self.tp_rank, self.tp_size)
+            default_weight_loader(param, shard)
+            return
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         default_weight_loader(

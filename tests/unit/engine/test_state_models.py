@@ -69,8 +69,8 @@ def test_a_qwen3_5_step_holds_a_whole_deltanet_chunk(tiny_model, v1) -> None:
         )
 
 
-def test_state_models_refuse_tp_by_name(tiny_model, v1) -> None:
-    with pytest.raises(
-        ValueError, match="tensor_parallel_size and pipeline_parallel_size must be 1"
-    ):
-        EngineConfig.from_engine_args(model=tiny_model("mamba"), tensor_parallel_size=2)
+def test_state_models_refuse_pp_and_indivisible_tp_by_name(tiny_model, v1) -> None:
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be 1"):
+        EngineConfig.from_engine_args(model=tiny_model("mamba"), pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="does not divide the model's intermediate_size=128"):
+        EngineConfig.from_engine_args(model=tiny_model("mamba"), tensor_parallel_size=3)
