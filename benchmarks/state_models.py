@@ -1,8 +1,11 @@
-"""The recurrent-state path's decode step against attention's, side by side: a random Mamba and
-a random Llama of the same width and depth (HF transformers' configs, built here), each served
-by pdserve offline (LLM), at batches of 1, 16 and 64 prompts; alternating rounds, medians.
+"""The recurrent-state path's decode step against attention's, side by side: a random Mamba, a
+random Qwen3.5 (three Gated DeltaNet layers to one gated attention layer) and a random Llama of
+the same width and depth (HF transformers' configs, built here), each served by pdserve offline
+(LLM), at batches of 1, 16 and 64 prompts; alternating rounds, medians. With --vllm-python,
+vLLM's CPU build is tried on the same models as the anchor (batch 16): its step, or why it fails.
 
     .venv/bin/python benchmarks/state_models.py [--hidden 512] [--layers 8] [--rounds 3]
+        [--vllm-python /work/vllm-venv/bin/python]
 
 A step's cost is the difference between generating 2 x --output-len and --output-len tokens a
 prompt (EOS ignored; medians of three interleaved runs each), over --output-len: the prompts'
@@ -12,8 +15,10 @@ prefill (--prompt-len tokens each) cancels out.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,8 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vs_vllm import engine_env  # noqa: E402  (the environment before any engine touched it)
+
 from pdserve import LLM, SamplingParams  # noqa: E402
 from tests.utils.tiny_models import make_tiny_model  # noqa: E402
+
+ARCHS = ("mamba", "qwen3_5", "llama")
 
 
 def build(arch: str, hidden: int, layers: int, root: Path) -> str:
@@ -31,7 +40,54 @@ def build(arch: str, hidden: int, layers: int, root: Path) -> str:
     else:  # head size 64, as vLLM's CPU attention takes
         shape = {"hidden_size": hidden, "intermediate_size": 4 * hidden}
         shape |= {"num_attention_heads": hidden // 64, "num_key_value_heads": hidden // 64}
+    if arch == "qwen3_5":  # Qwen3.5's pattern and head shapes, narrowed to the width
+        shape |= {
+            "head_dim": 64,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_num_key_heads": hidden // 128,
+            "linear_num_value_heads": hidden // 64,
+        }
     return str(make_tiny_model(arch, root / arch, num_hidden_layers=layers, **shape))
+
+
+def vllm_step_ms(python: Path, path: str, args: argparse.Namespace, batch: int) -> str:
+    """vLLM's decode step on `path` at `batch` prompts, as step_ms measures it (two output
+    lengths, one run each, through benchmarks/vs_vllm_driver.py), or the error it fails with."""
+    times = []
+    for output_len in (args.output_len, 2 * args.output_len):
+        job = {
+            "engine": "vllm",
+            "engine_args": {"model": path, "dtype": args.dtype, "max_model_len": 256},
+            "prompts": [
+                [3 + (i * 7 + j) % 500 for j in range(args.prompt_len)] for i in range(batch)
+            ],
+            "output_len": output_len,
+            "check_prompts": 0,
+            "launched_at": time.time(),
+        }
+        with tempfile.TemporaryDirectory() as tmp:
+            job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+            job_path.write_text(json.dumps(job))
+            proc = subprocess.run(
+                [str(python), str(Path(__file__).with_name("vs_vllm_driver.py")), job_path,
+                 result_path],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env=engine_env("vllm", threads=os.cpu_count() or 1, kv_cache_gib=2),
+            )  # fmt: skip
+            if proc.returncode != 0 or not result_path.exists():
+                # The root cause's own line ("SomethingError: what"), the first one raised.
+                errors = [
+                    line.split("] ")[-1].strip()
+                    for line in (proc.stdout + proc.stderr).splitlines()
+                    if "Error: " in line
+                ]
+                return f"fails: {errors[0] if errors else f'exit code {proc.returncode}'}"
+            times.append(json.loads(result_path.read_text())["generate_s"])
+    return f"{(times[1] - times[0]) / args.output_len * 1000:.2f} ms"
 
 
 def step_ms(llm: LLM, batch: int, prompt_len: int, output_len: int, repeats: int = 3) -> float:
@@ -63,12 +119,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--vllm-python", type=Path, help="python of vLLM's CPU build")
     args = parser.parse_args()
-    os.environ.setdefault("PDSERVE_USE_V2_MODEL_RUNNER", "0")  # Mamba's runner, for both
+    os.environ.setdefault("PDSERVE_USE_V2_MODEL_RUNNER", "0")  # the state models' runner, for all
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {
-            arch: build(arch, args.hidden, args.layers, Path(tmp)) for arch in ("mamba", "llama")
-        }
+        paths = {arch: build(arch, args.hidden, args.layers, Path(tmp)) for arch in ARCHS}
         results: dict[tuple[str, int], list[float]] = {}
         for _ in range(args.rounds):
             # One engine alive at a time: an idle one's threads would take the other's cores.
@@ -80,13 +135,19 @@ def main() -> None:
                         ms = step_ms(llm, batch, args.prompt_len, args.output_len)
                         results.setdefault((arch, batch), []).append(ms)
         print(
-            f"decode step, ms (medians of {args.rounds}; {args.layers} layers of {args.hidden}, {args.dtype}, load {os.getloadavg()[0]:.1f})"
+            f"decode step, ms (medians of {args.rounds}; {args.layers} layers of {args.hidden}, "
+            f"{args.dtype}, load {os.getloadavg()[0]:.1f})"
         )
-        print(f"{'batch':>6}{'mamba':>10}{'llama':>10}{'ratio':>8}")
+        print(f"{'batch':>6}" + "".join(f"{arch:>10}" for arch in ARCHS) + "  vs llama")
         for batch in args.batches:
-            mamba = statistics.median(results[("mamba", batch)])
-            llama = statistics.median(results[("llama", batch)])
-            print(f"{batch:>6}{mamba:>10.2f}{llama:>10.2f}{mamba / llama:>8.2f}")
+            ms = {arch: statistics.median(results[(arch, batch)]) for arch in ARCHS}
+            ratios = " ".join(f"{ms[arch] / ms['llama']:.2f}" for arch in ARCHS[:-1])
+            print(f"{batch:>6}" + "".join(f"{ms[arch]:>10.2f}" for arch in ARCHS) + f"  {ratios}")
+        if args.vllm_python:
+            for arch in ARCHS:
+                print(
+                    f"vLLM CPU, {arch}, batch 16: {vllm_step_ms(args.vllm_python, paths[arch], args, 16)}"
+                )
 
 
 if __name__ == "__main__":

@@ -2,13 +2,12 @@
 instead of paged keys and values.
 
 A layer's state is its convolution's last conv_kernel - 1 inputs and its SSM state
-[intermediate, state_size], in the runner's state slots (models/state_cache.py): `state_caches`
-holds one (conv, ssm) pair of tensors per layer, `attn_metadata.state_slots` each request's
-slot (its one block). A request whose context is empty (a new prompt, or one preempted and recomputed) starts
-from zeros; a later chunk of a prompt, or a decode step, continues its slot's state. The scan
-runs token by token in float32 as HF's torch path does, so chunked prefill and decode give the
-bits of one pass over the whole sequence.
-"""
+[intermediate, state_size], in the request's slot (models/state_cache.py): the forward gets
+each layer's (conv, ssm) views in `caches.state`, `attn_metadata.state_slots` each request's
+slot (its one block). A request whose context is empty (a new prompt, or one preempted and
+recomputed) starts from zeros; a later chunk of a prompt, or a decode step, continues its
+slot's state. The scan runs token by token in float32 as HF's torch path does, so chunked
+prefill and decode give the bits of one pass over the whole sequence."""
 
 from __future__ import annotations
 

@@ -12,9 +12,15 @@ import logging
 
 import pytest
 
-from pdserve import LLM
+from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
-from tests.unit.engine.test_correctness import assert_pool_full, make_prompts, reference, run
+from tests.unit.engine.test_correctness import (
+    MAX_TOKENS,
+    assert_pool_full,
+    make_prompts,
+    reference,
+    run,
+)
 
 ENGINES = {
     "batched": {},
@@ -44,6 +50,26 @@ def test_state_model_matches_hf(tiny_model, v1, arch: str, engine: str) -> None:
         # One prompt alone continues from the same state machinery.
         assert run(llm, prompts[:1]) == reference(path, prompts)[:1]
         assert llm.config.cache_config.block_size == 256  # one block a request: its state
+        assert_pool_full(llm)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "qwen3_5"])
+def test_aborts_mid_prompt_and_mid_decode_free_their_slots(tiny_model, v1, arch: str) -> None:
+    """Half the requests aborted after three steps (some mid-prompt under a 64-token budget,
+    some decoding): their slots come back, and the others, whose later steps reuse them for
+    nothing, keep HF's tokens."""
+    path = tiny_model(arch)
+    with LLM(
+        model=path, dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8
+    ) as llm:
+        prompts = make_prompts(llm.config.model_config.vocab_size)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        ids = [llm._add_request({"prompt_token_ids": p}, params) for p in prompts]
+        for _ in range(3):
+            llm.engine_core.step()
+        llm._abort(ids[::2])
+        outputs = llm._run_engine(ids[1::2], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == reference(path, prompts)[1::2]
         assert_pool_full(llm)
 
 
