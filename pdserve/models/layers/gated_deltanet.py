@@ -21,6 +21,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pdserve.distributed.parallel_state import get_tensor_model_parallel_world_size
+from pdserve.kernels.cpu import recurrent as recurrent_cpu
 from pdserve.kernels.cpu.elementwise import deltanet_gates
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import (
@@ -155,8 +156,8 @@ class GatedDeltaNet(nn.Module):
             out[rows] = self._prompt(x[rows], conv_states[slot], ssm_states[slot])
         if plan.decode_rows.numel():
             rows, slots = plan.decode_rows, plan.decode_slots
-            out[rows], conv, ssm = self._step(x[rows], conv_states[slots], ssm_states[slots])
-            conv_states[slots], ssm_states[slots] = conv, ssm
+            out[rows], conv = self._step(x[rows], conv_states[slots], ssm_states, slots)
+            conv_states[slots] = conv
         return out
 
     def _inputs(self, x: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -199,25 +200,49 @@ class GatedDeltaNet(nn.Module):
             args = [t[rows].transpose(0, 1) for t in (scaled_q, k, v, g, beta)]
             out, state = chunked_delta_rule(*args, state)
             core.append(out.transpose(0, 1))
-        state = state[None]
+        ssm_state.copy_(state)
+        slot = torch.zeros(1, dtype=torch.int64)  # the tail's steps, in place on its state
         for t in range(num_chunked, x.shape[0]):
             rows = slice(t, t + 1)
-            out, state = recurrent_delta_rule(
-                q[rows] / self.head_k_dim**0.5, k[rows], v[rows], decay[rows], beta[rows], state
+            core.append(
+                self._recurrent(
+                    q[rows] / self.head_k_dim**0.5,
+                    k[rows],
+                    v[rows],
+                    decay[rows],
+                    beta[rows],
+                    ssm_state[None],
+                    slot,
+                )
             )
-            core.append(out)
-        ssm_state.copy_(state[0])
         return self._output(torch.cat(core).to(dtype), x)
 
+    @staticmethod
+    def _recurrent(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        decay: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """recurrent_delta_rule on the states at `slots`, updated in place: one native pass
+        where it applies (the prompt's tail and decode steps alike: the same bits)."""
+        out = recurrent_cpu.deltanet_step(q, k, v, decay, beta, states, slots)
+        if out is None:
+            out, states[slots] = recurrent_delta_rule(q, k, v, decay, beta, states[slots])
+        return out
+
     def _step(
-        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One token [R, hidden] of each of R requests from their states [R, ...]: (the
-        output, the new conv states, the new recurrent states)."""
+        self, x: torch.Tensor, conv_state: torch.Tensor, states: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token [R, hidden] of each of R requests from their conv states [R, ...] and
+        their recurrent states (`states` at `slots`, updated in place): (the output, the new
+        conv states)."""
         dtype = x.dtype
         padded = torch.cat((conv_state.to(dtype), self.in_proj_qkv(x)[:, :, None]), dim=2)
         mixed = F.silu(F.conv1d(padded, self.conv1d.weight, groups=self.conv_dim)[:, :, -1])
         q, k, v, _, decay, beta = self._inputs(x, mixed)
-        q = q / self.head_k_dim**0.5
-        core, state = recurrent_delta_rule(q, k, v, decay, beta, ssm_state)
-        return self._output(core.to(dtype), x), padded[:, :, 1:], state
+        core = self._recurrent(q / self.head_k_dim**0.5, k, v, decay, beta, states, slots)
+        return self._output(core.to(dtype), x), padded[:, :, 1:]

@@ -65,8 +65,8 @@ def test_aborts_mid_prompt_and_mid_decode_free_their_slots(tiny_model, v1, arch:
         prompts = make_prompts(llm.config.model_config.vocab_size)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         ids = [llm._add_request({"prompt_token_ids": p}, params) for p in prompts]
-        for _ in range(3):
-            llm.engine_core.step()
+        for _ in range(3):  # what these steps sample is the survivors' first tokens
+            llm.output_processor.process_outputs(llm.engine_core.step())
         llm._abort(ids[::2])
         outputs = llm._run_engine(ids[1::2], use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == reference(path, prompts)[1::2]

@@ -1,0 +1,63 @@
+"""The C++ Gated DeltaNet step (csrc/recurrent_cpu.cpp) against the torch recurrent form: the
+same outputs and new states (float32, up to the order of its sums), in place on strided slots
+(a state model's block rows) and only at the slots named, and a request's bits the same alone
+as in any batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.cpu import native
+from pdserve.kernels.cpu import recurrent as recurrent_cpu
+from pdserve.models.layers.gated_deltanet import recurrent_delta_rule
+
+pytestmark = pytest.mark.skipif(
+    not native.compiler_available(), reason="no C++ compiler on this machine"
+)
+H, K, V, SLOTS = 4, 16, 32, 40
+
+
+def _inputs(rows: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    q, k = (
+        torch.nn.functional.normalize(torch.randn(rows, H, K, generator=gen), dim=-1)
+        for _ in range(2)
+    )
+    v = torch.randn(rows, H, V, generator=gen)
+    decay, beta = torch.rand(rows, H, generator=gen), torch.rand(rows, H, generator=gen)
+    return q, k, v, decay, beta
+
+
+def _states() -> torch.Tensor:
+    """Slots strided as in a block: each slot's state followed by other bytes."""
+    blocks = torch.randn(SLOTS, H * K * V + 24, generator=torch.Generator().manual_seed(1))
+    return blocks[:, : H * K * V].view(SLOTS, H, K, V)
+
+
+def test_matches_the_torch_form_in_place_at_its_slots() -> None:
+    q, k, v, decay, beta = _inputs(17)
+    slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(2))[:17]
+    states = _states()
+    before = states.clone()
+    want_out, want_states = recurrent_delta_rule(q, k, v, decay, beta, before[slots])
+    out = recurrent_cpu.deltanet_step(q, k, v, decay, beta, states, slots)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[slots], want_states, atol=1e-5, rtol=1e-5)
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(states[untouched], before[untouched])
+
+
+def test_a_requests_bits_do_not_depend_on_its_batch() -> None:
+    q, k, v, decay, beta = _inputs(33)
+    slots = torch.arange(33)
+    batched_states, alone_states = _states(), _states()
+    batched = recurrent_cpu.deltanet_step(q, k, v, decay, beta, batched_states, slots)
+    for r in (0, 16, 32):
+        row = slice(r, r + 1)
+        alone = recurrent_cpu.deltanet_step(
+            q[row], k[row], v[row], decay[row], beta[row], alone_states, slots[row]
+        )
+        assert torch.equal(alone, batched[row])
+        assert torch.equal(alone_states[r], batched_states[r])
