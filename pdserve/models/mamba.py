@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 
 from pdserve.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.cpu import recurrent as recurrent_cpu
 from pdserve.kernels.linear import linear
 from pdserve.models.layers.layernorm import RMSNorm
 from pdserve.models.layers.linear import (
@@ -85,10 +86,8 @@ class MambaMixer(nn.Module):
             out[rows] = self._request(hidden_states[rows], conv_states[slot], ssm_states[slot])
         if plan.decode_rows.numel():
             rows, index = plan.decode_rows, plan.decode_slots
-            out[rows], conv, ssm = self._step(
-                hidden_states[rows], conv_states[index], ssm_states[index]
-            )
-            conv_states[index], ssm_states[index] = conv, ssm
+            out[rows], conv = self._step(hidden_states[rows], conv_states[index], ssm_states, index)
+            conv_states[index] = conv
         return out
 
     def _selection(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,45 +104,53 @@ class MambaMixer(nn.Module):
         weight = self.conv1d.weight
         return F.silu(F.conv1d(padded, weight, self.conv1d.bias, groups=weight.shape[0]))
 
+    def _scan(
+        self,
+        u: torch.Tensor,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token of each of R requests, convolved u [R, inner], on the SSM states at
+        `slots` (updated in place): the readout [R, inner] in u's dtype. One native pass where
+        it applies (a prompt's tokens and decode steps alike: the same bits)."""
+        dt, B, C = self._selection(u)
+        A = -torch.exp(self.A_log.float())
+        y = recurrent_cpu.mamba_step(dt, A, B, C, u, states, slots)
+        if y is not None:
+            return y.to(u.dtype)
+        dA = torch.exp(A[None] * dt[:, :, None])  # [R, inner, state]
+        state = dA * states[slots] + dt[:, :, None] * B.float()[:, None, :] * u.float()[:, :, None]
+        states[slots] = state
+        return (state.to(u.dtype) * C[:, None, :]).sum(dim=-1)
+
     def _step(
-        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One token [R, hidden] of each of R requests from their states [R, ...]: (the
-        output, the new conv states, the new SSM states), HF's recurrent form."""
+        self, x: torch.Tensor, conv_state: torch.Tensor, states: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token [R, hidden] of each of R requests from their conv states [R, ...] and SSM
+        states (`states` at `slots`, updated in place): (the output, the new conv states),
+        HF's recurrent form."""
         dtype = x.dtype
         u, gate = self.in_proj(x).chunk(2, dim=-1)  # [R, inner] each
         padded = torch.cat((conv_state.to(dtype), u[:, :, None]), dim=2)
         u = self._convolve(padded)[:, :, -1]
-        dt, B, C = self._selection(u)
-        A = -torch.exp(self.A_log.float())
-        dA = torch.exp(A[None] * dt[:, :, None])  # [R, inner, state]
-        state = dA * ssm_state + dt[:, :, None] * B.float()[:, None, :] * u.float()[:, :, None]
-        y = (state.to(dtype) * C[:, None, :]).sum(dim=-1) + u * self.D
+        y = self._scan(u, states, slots) + u * self.D
         y = y * F.silu(gate)
-        return self.out_proj(y.to(dtype)), padded[:, :, 1:], state
+        return self.out_proj(y.to(dtype)), padded[:, :, 1:]
 
     def _request(
         self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> torch.Tensor:
         """One request's tokens [T, hidden] from its states, which it leaves updated: each
-        token's bits those of _step's (its ops, elementwise or row by row)."""
-        num_tokens, dtype = x.shape[0], x.dtype
+        token scanned as a decode step is (the same bits)."""
+        dtype = x.dtype
         u, gate = self.in_proj(x).t().chunk(2, dim=0)  # [inner, T] each
         # The causal convolution over the previous kernel - 1 inputs and these.
         padded = torch.cat((conv_state.to(dtype), u), dim=1)
         conv_state.copy_(padded[:, -conv_state.shape[1] :])
         u = self._convolve(padded[None])[0].t()  # [T, inner]
-        dt, B, C = self._selection(u)
-        A = -torch.exp(self.A_log.float())
-        dA = torch.exp(A[None] * dt[:, :, None])  # [T, inner, state]
-        dBu = dt[:, :, None] * B.float()[:, None, :] * u.float()[:, :, None]
-        state = ssm_state.float()
-        ys = []
-        for t in range(num_tokens):
-            state = dA[t] * state + dBu[t]
-            ys.append((state.to(dtype) * C[t]).sum(dim=-1))
-        ssm_state.copy_(state)
-        y = torch.stack(ys, dim=0) + u * self.D
+        slot = torch.zeros(1, dtype=torch.int64)
+        ys = [self._scan(u[t : t + 1], ssm_state[None], slot) for t in range(u.shape[0])]
+        y = torch.cat(ys) + u * self.D
         y = y * F.silu(gate.t())
         return self.out_proj(y.to(dtype))
 

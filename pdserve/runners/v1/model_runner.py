@@ -70,6 +70,11 @@ class ModelRunnerV1(ModelRunnerBase):
                 )
 
             row = batch.req_id_to_index.get(req_id)
+            if row is not None and resumed:
+                # Preempted and resumed without a step between (its blocks are all new): its
+                # row's block table goes, not only grows.
+                batch.remove_request(req_id)
+                row = None
             if row is None:
                 batch.add_request(state)
                 continue

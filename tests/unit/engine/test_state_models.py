@@ -73,6 +73,39 @@ def test_aborts_mid_prompt_and_mid_decode_free_their_slots(tiny_model, v1, arch:
         assert_pool_full(llm)
 
 
+@pytest.mark.parametrize("arch", ["mamba", "qwen3_5"])
+def test_preempted_requests_recompute_their_state(tiny_model, v1, arch: str) -> None:
+    """Nothing preempts a state model's request by itself (it never needs a second block), so
+    the test preempts requests as the scheduler does, mid-prompt and mid-decode, some resumed at
+    the very next step (the runner must drop the old slot, not keep it first in the row's block
+    table): they come back with their new slots' state zeroed, recompute it, and keep HF's
+    tokens, and no other request's slot is touched."""
+    path = tiny_model(arch)
+    with LLM(
+        model=path,
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        async_scheduling=False,
+    ) as llm:
+        prompts = make_prompts(llm.config.model_config.vocab_size)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        ids = [llm._add_request({"prompt_token_ids": p}, params) for p in prompts]
+        scheduler = llm.engine_core.scheduler
+        preempted = 0
+        for _ in range(8):
+            llm.output_processor.process_outputs(llm.engine_core.step())
+            for request in scheduler.running[::3]:
+                scheduler._preempt_request(request)
+                scheduler.running.remove(request)
+                preempted += 1
+        assert preempted >= 4 and scheduler.num_preemptions == preempted
+        outputs = llm._run_engine(ids, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == reference(path, prompts)
+        assert_pool_full(llm)
+
+
 def test_mamba_runs_on_v1_and_names_what_v2_lacks(tiny_model, monkeypatch, caplog) -> None:
     path = tiny_model("mamba")
     monkeypatch.delenv("PDSERVE_USE_V2_MODEL_RUNNER", raising=False)

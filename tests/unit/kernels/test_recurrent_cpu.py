@@ -61,3 +61,35 @@ def test_a_requests_bits_do_not_depend_on_its_batch() -> None:
         )
         assert torch.equal(alone, batched[row])
         assert torch.equal(alone_states[r], batched_states[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba_step_matches_the_torch_scan_and_keeps_each_rows_bits(dtype: torch.dtype) -> None:
+    """Mamba's step: the torch form's states (float32) and readout (the dtype's products,
+    summed), in place at its slots; a row's bits the same alone as in its batch."""
+    gen = torch.Generator().manual_seed(3)
+    rows, channels, size = 9, 32, 16
+    dt = torch.rand(rows, channels, generator=gen)
+    A = -torch.rand(channels, size, generator=gen)
+    B, C, u = (torch.randn(*shape, generator=gen).to(dtype) for shape in
+               ((rows, size), (rows, size), (rows, channels)))  # fmt: skip
+    slots = torch.arange(rows) * 2
+    blocks = torch.randn(2 * rows, channels * size + 8, generator=gen)
+    states = blocks[:, : channels * size].view(2 * rows, channels, size)
+    before = states.clone()
+    want = torch.exp(A[None] * dt[:, :, None]) * before[slots]
+    want = want + dt[:, :, None] * B.float()[:, None, :] * u.float()[:, :, None]
+    want_y = (want.to(dtype) * C[:, None, :]).sum(dim=-1)
+    y = recurrent_cpu.mamba_step(dt, A, B, C, u, states, slots)
+    torch.testing.assert_close(states[slots], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        y.to(dtype), want_y, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2
+    )
+    assert torch.equal(states[1::2], before[1::2])
+    alone_states = before.clone()
+    for r in (0, rows - 1):
+        row = slice(r, r + 1)
+        alone = recurrent_cpu.mamba_step(
+            dt[row], A, B[row], C[row], u[row], alone_states, slots[row]
+        )
+        assert torch.equal(alone, y[row]) and torch.equal(alone_states[2 * r], states[2 * r])
