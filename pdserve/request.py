@@ -86,6 +86,8 @@ class Request:
         # Tokens that steps in flight at a preemption will still sample: the request resumes
         # from the tokens known then, so these are dropped when they arrive.
         self.num_async_tokens_to_discard = 0
+        # Speculative decoding: the drafts its step in flight verifies (scheduler/drafts.py).
+        self.num_draft_tokens = 0
         # Set at first admission (scheduler/admission.py): prompt tokens a prefix cache served,
         # here or on the instance that computed the KV it loaded (usage's cached_tokens).
         self.num_cached_tokens = -1

@@ -18,6 +18,8 @@ from pdserve.config.kv_events import KVEventsConfig
 from pdserve.config.kv_transfer import KVTransferConfig
 from pdserve.config.model import ModelConfig
 from pdserve.config.plugins import EXECUTORS
+from pdserve.config.speculative import V2_METHODS as SPEC_V2_METHODS
+from pdserve.config.speculative import SpeculativeConfig
 from pdserve.config.unsupported import UNSUPPORTED_FEATURES
 from pdserve.validation import check_choice, check_positive
 
@@ -141,12 +143,20 @@ class EngineConfig:
         '"replay_endpoint": "tcp://*:5558"}\' (docs/kv_events.md)',
         json=True,
     )
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = flag(
+        None, 'Speculative decoding as JSON (vLLM\'s keys), e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (docs/spec_decode.md)', short="-sc", json=True,
+    )  # fmt: skip
     device: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+            spec, parts = self.speculative_config, (self.scheduler_config, self.parallel_config)
+            spec.check_engine(self.model_config, *parts)
         self._resolve_scheduler_limits()
         self._check_pipeline_stages()
         if self.kv_transfer_config is not None:
@@ -306,6 +316,9 @@ class EngineConfig:
         features = []
         if getattr(mc, "has_inner_state", False):
             features.append("hybrid/mamba models")
+        spec = self.speculative_config
+        if isinstance(spec, SpeculativeConfig) and spec.method not in SPEC_V2_METHODS:
+            features.append(f"speculative method {spec.method!r}")
         if mc.logits_processors:
             features.append("custom logits processors")
         return features
@@ -381,5 +394,6 @@ _ENGINE_ARG_OWNERS: dict[str, type] = {
     **{n: ParallelConfig for n in ParallelConfig.__dataclass_fields__},
     "kv_transfer_config": EngineConfig,
     "kv_events_config": EngineConfig,
+    "speculative_config": EngineConfig,
     "device": EngineConfig,
 }

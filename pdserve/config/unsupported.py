@@ -35,7 +35,6 @@ class UnsupportedFeature:
 UNSUPPORTED_FEATURES: dict[str, UnsupportedFeature] = {
     f.arg: f
     for f in (
-        UnsupportedFeature("speculative_config", "speculative decoding", (None,), dict, "-sc"),
         UnsupportedFeature("enable_lora", "LoRA adapters", (False,), bool),
         UnsupportedFeature(
             "quantization",

@@ -75,6 +75,7 @@ class EngineCore:
             structured_output=self.structured_output,
             has_state=config.model_config.has_inner_state,
             prompt_chunk_alignment=config.model_config.prompt_chunk_alignment,
+            speculative_config=config.speculative_config,
         )
         self.batch_queue_size = self.executor.max_concurrent_batches
         # False when the last step had nothing to compute (only transfers to poll).

@@ -138,11 +138,18 @@ class ModelRunnerBase:
         rows: list[SamplingRow],
         prompt_chunks: list[PromptChunk] | None = None,
         grammar: tuple[GrammarBitmask, list[str]] | None = None,
-    ) -> tuple[list[int], LogprobsLists | None]:
-        """The step's tokens (and their logprobs); the prompt logprobs of `prompt_chunks` go to
-        `self.prompt_logprobs`. `grammar`: the step's structured-outputs bitmask and the
-        request id of each row."""
+        draft_indices: torch.Tensor | None = None,
+    ) -> tuple[list[int], LogprobsLists | None, list[int]]:
+        """The step's tokens (and their logprobs), and the greedy token after each of the
+        tokens at `draft_indices` (speculative decoding's verification: runners/drafts.py);
+        the prompt logprobs of `prompt_chunks` go to `self.prompt_logprobs`. `grammar`: the
+        step's structured-outputs bitmask and the request id of each row."""
         hidden = self._forward(inputs)
+        verified = []
+        if draft_indices is not None and hidden is not None:
+            # The same float32 logits, row by row, as the sampler's greedy argmax reads.
+            logits = self.model.compute_logits(hidden[draft_indices])
+            verified = logits.argmax(dim=-1).tolist()
         if prompt_chunks and hidden is not None:
             prompt_rows = compute_prompt_logprobs(
                 hidden, prompt_chunks, self.model.compute_logits, self.sampler.topk_logprobs
@@ -150,7 +157,7 @@ class ModelRunnerBase:
             for chunk, chunk_rows in zip(prompt_chunks, prompt_rows):
                 self.prompt_logprobs.record(chunk, chunk_rows)
         if not rows:
-            return [], None
+            return [], None, verified
         if hidden is None:
             # A stage before the last gets the last stage's tokens; it knows how many.
             sampled = torch.empty(len(rows), dtype=torch.int64, device=self.device)
@@ -159,7 +166,7 @@ class ModelRunnerBase:
             sampled, logprobs = self._sample(hidden, inputs, rows, grammar)
         if parallel_state.get_pp_world_size() > 1:
             parallel_state.broadcast_from_output_rank(sampled)
-        return sampled.tolist(), logprobs
+        return sampled.tolist(), logprobs, verified
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The final hidden states; None on a pipeline stage before the last."""
@@ -219,7 +226,7 @@ class ModelRunnerBase:
     def make_output(
         self,
         req_ids: list[str],
-        sampled: dict[str, int],
+        sampled: dict[str, list[int]],
         logprobs: LogprobsLists | None,
         sampling_req_ids: list[str],
     ) -> ModelRunnerOutput:
@@ -232,7 +239,7 @@ class ModelRunnerBase:
             prompt_logprobs = self.prompt_logprobs.pop_sampled(sampling_req_ids)
         return ModelRunnerOutput(
             req_ids=req_ids,
-            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
+            sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
         )

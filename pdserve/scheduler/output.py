@@ -81,6 +81,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # The connector's metadata, encoded by the scheduler and decoded by the worker connector.
     kv_connector_metadata: bytes | None = None
     grammar_bitmask: GrammarBitmask | None = None
+    # Speculative decoding: each request's drafts, scheduled after its next token (vLLM's name).
+    scheduled_spec_decode_tokens: dict[str, list[int]] | None = None
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

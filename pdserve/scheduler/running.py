@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from pdserve.request import Request, RequestStatus
+from pdserve.scheduler.drafts import NgramDrafter
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.request_queue import SchedulingPolicy, select_victim
 
@@ -23,6 +24,7 @@ class RunningSchedule(NamedTuple):
     reach_all_tokens: bool  # every running request scheduled got all its tokens
     preempted: bool  # the victims are still in `running`, no longer RUNNING
     token_budget: int  # what is left for the waiting requests
+    spec_token_ids: dict[str, list[int]]  # the drafts each decode verifies (speculation)
 
 
 def cut_short(num_computed_tokens: int, num_new_tokens: int, alignment: int) -> int:
@@ -38,9 +40,12 @@ def schedule_running(
     policy: SchedulingPolicy,
     preempt: Callable[[Request], None],
     alignment: int = 1,
+    drafter: NgramDrafter | None = None,
 ) -> RunningSchedule:
-    """Victims of preemption stay in `running` (the caller drops them once this returns)."""
+    """Victims of preemption stay in `running` (the caller drops them once this returns).
+    With a `drafter`, a decode takes its drafts too (scheduler/drafts.py)."""
     num_scheduled_tokens: dict[str, int] = {}
+    spec_token_ids: dict[str, list[int]] = {}
     new_block_ids: dict[str, tuple[int, list[int]]] = {}
     preempted = positions_moved = False
     reach_all_tokens = True
@@ -64,6 +69,11 @@ def schedule_running(
         # max_num_tokens <= max_model_len, and the check above keeps steps in flight from
         # sampling past it (a prompt of max_model_len tokens is computed whole, then ends).
         num_new_tokens = num_tokens - request.num_computed_tokens
+        drafts = None
+        if drafter is not None and num_new_tokens == 1 and not num_placeholders:
+            drafts = drafter.propose(request, token_budget - 1)
+            num_new_tokens += len(drafts)
+            num_tokens += len(drafts)
         if num_new_tokens > token_budget:
             num_new_tokens = cut_short(request.num_computed_tokens, token_budget, alignment)
             reach_all_tokens = False
@@ -79,6 +89,8 @@ def schedule_running(
                     # Already scheduled this step: it gives its tokens back.
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     new_block_ids.pop(victim.request_id, None)
+                    if spec_token_ids.pop(victim.request_id, None):
+                        victim.num_draft_tokens = 0
                     positions_moved = True
                 preempt(victim)
                 preempted = True
@@ -93,6 +105,9 @@ def schedule_running(
                 )
         num_scheduled_tokens[request.request_id] = num_new_tokens
         token_budget -= num_new_tokens
+        if drafts:
+            spec_token_ids[request.request_id] = drafts
+            request.num_draft_tokens = len(drafts)
     if positions_moved:  # a victim left num_scheduled_tokens: the rows after it moved up
         rows = {req_id: i for i, req_id in enumerate(num_scheduled_tokens)}
         new_block_ids = {r: (rows[r], ids) for r, (_, ids) in new_block_ids.items()}
@@ -108,4 +123,5 @@ def schedule_running(
         reach_all_tokens,
         preempted,
         token_budget,
+        spec_token_ids,
     )

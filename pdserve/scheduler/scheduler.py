@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.config.speculative import SpeculativeConfig
 from pdserve.distributed.kv_events import KVCacheEvent
 from pdserve.kv_connector.base import KVConnectorScheduler
 from pdserve.kv_connector.noop import NoKVConnectorScheduler
 from pdserve.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.admission import Admissions, WaitingAdmission
+from pdserve.scheduler.drafts import NgramDrafter, SpecDecodingStats, roll_back_rejected
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.output_builder import build_scheduler_output
@@ -59,6 +61,7 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
         has_state: bool = False,
         prompt_chunk_alignment: int = 1,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.max_model_len = max_model_len
         # Structured outputs: the bitmask of each step's constrained requests comes from it.
@@ -74,6 +77,8 @@ class Scheduler:
             2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         )
         self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.drafter = None if speculative_config is None else NgramDrafter(speculative_config)
+        self.spec_stats = SpecDecodingStats()
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             cache_config.block_size,
@@ -140,6 +145,7 @@ class Scheduler:
             self.policy,
             self._preempt_request,
             self.admission.alignment,
+            self.drafter,
         )
         num_scheduled_tokens = ran.num_scheduled_tokens
         running = self.running
@@ -180,6 +186,8 @@ class Scheduler:
             self.prev_step_scheduled_req_ids,
             self.running_all_in_prev_step,
         )
+        if ran.spec_token_ids:
+            scheduler_output.scheduled_spec_decode_tokens = ran.spec_token_ids
         scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
             scheduler_output
         )
@@ -225,6 +233,13 @@ class Scheduler:
         Async scheduling: each token replaces a placeholder. Tokens of requests that finished
         while the step was in flight, and of requests preempted since, are dropped.
         """
+        if scheduler_output.scheduled_spec_decode_tokens:
+            roll_back_rejected(
+                scheduler_output.scheduled_spec_decode_tokens,
+                model_runner_output,
+                self.requests,
+                self.spec_stats,
+            )
         rows = sampled_rows(
             self._steps_in_flight.pop(scheduler_output),
             scheduler_output.num_scheduled_tokens,

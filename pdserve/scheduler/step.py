@@ -49,7 +49,8 @@ def advance_requests(step: StepDecisions, scheduled_reqs: list[Request]) -> None
     for request, num_tokens in zip(rest, num_tokens_iter, strict=True):
         num_computed = request.num_computed_tokens + num_tokens
         request.num_computed_tokens = num_computed
-        if num_computed - request.num_tokens == request.num_output_placeholders:
+        num_ahead = num_computed - request.num_tokens - request.num_draft_tokens
+        if num_ahead == request.num_output_placeholders:
             request.num_output_placeholders += 1
 
 

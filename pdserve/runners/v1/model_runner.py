@@ -8,6 +8,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from pdserve.runners.base import ModelRunnerBase, SamplingRow
+from pdserve.runners.drafts import accept_drafts, draft_positions
 from pdserve.runners.inputs import build_step_inputs
 from pdserve.runners.v1.input_batch import CachedRequestState, InputBatch
 from pdserve.scheduler.output import SchedulerOutput
@@ -87,6 +88,11 @@ class ModelRunnerV1(ModelRunnerBase):
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
+        spec = so.scheduled_spec_decode_tokens or {}
+        for req_id, drafts in spec.items():  # scheduled after the request's known tokens
+            row = batch.req_id_to_index[req_id]
+            start = batch.num_tokens[row]
+            batch.token_ids[row, start : start + len(drafts)] = drafts
         n = batch.num_reqs
         req_ids = list(batch.req_ids)
         num_scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
@@ -128,14 +134,21 @@ class ModelRunnerV1(ModelRunnerBase):
                 if (i := index.get(r)) is not None
             )
         grammar = None if so.grammar_bitmask is None else (so.grammar_bitmask, sampling_req_ids)
-        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks, grammar)
-
-        for row, req_id, token in zip(sampling_rows.tolist(), sampling_req_ids, sampled):
-            self.requests[req_id].output_token_ids.append(token)
-            batch.append_token(row, token)
-        return self.make_output(
-            req_ids, dict(zip(sampling_req_ids, sampled)), logprobs, sampling_req_ids
+        draft_indices = None
+        if spec:
+            positions_of = draft_positions(spec, batch.req_id_to_index, cu_num_scheduled)
+            draft_indices = to_dev(np.array(positions_of, dtype=np.int64))
+        sampled, logprobs, verified = self.forward_and_sample(
+            inputs, rows, prompt_chunks, grammar, draft_indices
         )
+        tokens = {r: [t] for r, t in zip(sampling_req_ids, sampled)}
+        if spec:
+            accept_drafts(spec, verified, tokens)
+        for row, req_id in zip(sampling_rows.tolist(), sampling_req_ids):
+            self.requests[req_id].output_token_ids.extend(tokens[req_id])
+            for token in tokens[req_id]:
+                batch.append_token(row, token)
+        return self.make_output(req_ids, tokens, logprobs, sampling_req_ids)
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(

@@ -119,12 +119,11 @@ class ModelRunnerV2(ModelRunnerBase):
                 if (j := position.get(r)) is not None
             )
         grammar = None if so.grammar_bitmask is None else (so.grammar_bitmask, sampling_req_ids)
-        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks, grammar)
+        sampled, logprobs, _ = self.forward_and_sample(inputs, rows, prompt_chunks, grammar)
         if sampled:
             states.append_sampled(sampling_idx, sampled)
-        return self.make_output(
-            req_ids, dict(zip(sampling_req_ids, sampled)), logprobs, sampling_req_ids
-        )
+        tokens = {r: [t] for r, t in zip(sampling_req_ids, sampled)}
+        return self.make_output(req_ids, tokens, logprobs, sampling_req_ids)
 
     def _prepare_inputs(
         self,

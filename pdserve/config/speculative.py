@@ -1,0 +1,108 @@
+"""SpeculativeConfig: how the decode steps guess tokens ahead, with vLLM's keys
+(`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`).
+
+Every key is checked here and a bad one is named. Which runner runs which method is the
+EngineConfig's rule (Model Runner V2: EAGLE, EAGLE-3, MTP); which methods pdserve has built is
+`IMPLEMENTED`, and the others are refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.validation import check_choice, config_from_dict
+
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+# The methods Model Runner V2 runs (vLLM's list); the others take V1.
+V2_METHODS = ("eagle", "eagle3", "mtp")
+IMPLEMENTED = ("ngram",)
+# vLLM's default n-gram window when neither end is given.
+_DEFAULT_LOOKUP = 5
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # The draft model or EAGLE head; "ngram" / "[ngram]" name the n-gram method (vLLM's rule).
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method is None and self.model in ("ngram", "[ngram]"):
+            self.method = "ngram"
+        if self.method is None:
+            # vLLM infers it from the draft model's architecture; pdserve asks for it.
+            raise ValueError(
+                "speculative_config.method is required (one of " + ", ".join(METHODS) + ")."
+            )
+        check_choice("speculative_config.method", self.method, METHODS)
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be a positive integer, got {k!r}."
+            )
+        if self.method == "ngram":
+            self._resolve_lookup()
+        else:
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is for method 'ngram' only.")
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(
+                    f"speculative_config.model is required for method {self.method!r}: the "
+                    "draft model or head to load."
+                )
+
+    def _resolve_lookup(self) -> None:
+        """vLLM's rule: both unset are 5, one set gives the other its value."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = _DEFAULT_LOOKUP
+        low = high if low is None else low
+        high = low if high is None else high
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"speculative_config.{name} must be a positive integer, got {value!r}."
+                )
+        if low > high:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min={low} exceeds prompt_lookup_max={high}."
+            )
+        self.prompt_lookup_min, self.prompt_lookup_max = low, high
+
+    def check_engine(self, model: Any, sched: Any, parallel: Any) -> None:
+        """What speculation runs with so far (ModelConfig, SchedulerConfig, ParallelConfig):
+        the n-gram method on one pipeline stage, steps scheduled one at a time (async
+        scheduling, unset, turns off), models without recurrent state."""
+        if self.method not in IMPLEMENTED:
+            raise ValueError(
+                f"speculative_config.method={self.method!r}: pdserve runs "
+                f"{', '.join(map(repr, IMPLEMENTED))} so far; the draft model, EAGLE and MTP "
+                "drafters are not built yet."
+            )
+        if sched.async_scheduling:
+            raise ValueError(
+                "speculative_config with async_scheduling: a step's drafts follow the tokens "
+                "the previous step accepted, so steps are scheduled one at a time; leave "
+                "async_scheduling unset or false."
+            )
+        sched.async_scheduling = False
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config with pipeline_parallel_size > 1 is not supported yet: the "
+                "drafts are verified on the last stage alone."
+            )
+        if model.has_inner_state:
+            raise ValueError(
+                f"speculative_config with {model.architecture}: its recurrent state cannot take "
+                "rejected drafts back (vLLM keeps a state per draft position); not supported "
+                "yet."
+            )
+
+    @classmethod
+    def from_any(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
+        return config_from_dict(cls, "speculative_config", value)

@@ -1,0 +1,106 @@
+"""Speculative decoding's scheduler side (n-gram): the drafts a decode step verifies, and the
+rollback of those the model rejected.
+
+A decoding request's draft is the tokens that followed the latest earlier occurrence of the
+longest suffix of its tokens (prompt_lookup_max down to prompt_lookup_min tokens; vLLM's n-gram
+method). The step schedules the request's next token and its drafts together (1 + k tokens,
+their KV slots allocated like any other); the runner verifies them (runners/drafts.py) and
+returns the accepted drafts and one more token; the drafts after the first rejected one are
+rolled back here (`num_computed_tokens`: their KV is simply written over later).
+
+Drafts go to greedy requests whose next token is the model's argmax alone (no penalties,
+logprobs, grammar or min_tokens still to hold): the verification is exact for them, so their
+tokens equal those of decoding without speculation. Other requests decode a token a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdserve.config.speculative import SpeculativeConfig
+from pdserve.outputs import ModelRunnerOutput
+from pdserve.request import Request
+
+
+def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    `tokens` between min_n and max_n tokens long; [] where no suffix occurred before."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = list(tokens[length - n :])
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start] == suffix[0] and list(tokens[start : start + n]) == suffix:
+                return list(tokens[start + n : start + n + k])
+    return []
+
+
+class NgramDrafter:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        assert config.method == "ngram"
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, request: Request, room: int) -> list[int]:
+        """Drafts for a request about to decode its next token, at most `room` of them (the
+        step's budget, and its max_tokens and max_model_len after the next token)."""
+        k = min(self.k, room, request.max_num_tokens - request.num_tokens - 1)
+        if k <= 0 or not _takes_drafts(request):
+            return []
+        assert self.min_n is not None and self.max_n is not None
+        return propose_ngram(request.all_token_ids, self.min_n, self.max_n, k)
+
+
+def _takes_drafts(request: Request) -> bool:
+    p = request.sampling_params
+    return (
+        p.temperature == 0.0
+        and request.structured_output is None
+        and p.logprobs is None
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and p.repetition_penalty == 1.0
+        and request.num_output_tokens >= p.min_tokens
+    )
+
+
+@dataclass
+class SpecDecodingStats:
+    """vLLM's spec-decode counters, cumulative: drafts verified, their tokens, the tokens
+    accepted, and accepted per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_position = self.accepted_per_position
+        per_position += [0] * (num_draft_tokens - len(per_position))
+        for position in range(num_accepted):
+            per_position[position] += 1
+
+
+def roll_back_rejected(
+    spec_token_ids: dict[str, list[int]],
+    model_runner_output: ModelRunnerOutput,
+    requests: dict[str, Request],
+    stats: SpecDecodingStats,
+) -> None:
+    """The drafts the runner rejected no longer count as computed: a request's step returns
+    its accepted drafts and one token more."""
+    index = model_runner_output.req_id_to_index
+    for req_id, drafts in spec_token_ids.items():
+        request, row = requests.get(req_id), index.get(req_id)
+        if request is None:
+            continue
+        request.num_draft_tokens = 0
+        if row is None:
+            continue
+        num_accepted = len(model_runner_output.sampled_token_ids[row]) - 1
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        stats.observe(len(drafts), num_accepted)

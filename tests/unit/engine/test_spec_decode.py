@@ -1,0 +1,133 @@
+"""Speculative decoding (n-gram, Model Runner V1): greedy output with speculation is greedy
+output without it, token for token (HF's, tiny models in float32), in batches, with chunked
+prefill, prefix caching and preemption; drafts are proposed and accepted; pools full after;
+speculative_config's keys checked by name and the runners' rule (vLLM's: V2 runs EAGLE,
+EAGLE-3 and MTP) applied."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from pdserve import LLM
+from pdserve.config import EngineConfig
+from pdserve.scheduler.drafts import propose_ngram
+from tests.unit.engine.test_correctness import assert_pool_full, reference, run
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+
+
+def copy_heavy_prompts(vocab_size: int) -> list[list[int]]:
+    """Random texts, each repeated: the n-gram drafter finds its suffix earlier on."""
+    rng = random.Random(5)
+    texts = [[rng.randrange(4, vocab_size) for _ in range(n)] for n in (6, 11, 20, 33)]
+    return [t * 3 for t in texts] + [[rng.randrange(4, vocab_size) for _ in range(9)]]
+
+
+@pytest.fixture
+def v1(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "0")
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {},
+        {"max_num_batched_tokens": 16, "max_num_seqs": 4},  # chunked, drafts cut to the budget
+        {"num_gpu_blocks_override": 12, "max_num_seqs": 5},  # preemption
+    ],
+    ids=["batched", "chunked", "preempting"],
+)
+def test_greedy_with_ngram_drafts_is_greedy(tiny_model, v1, engine) -> None:
+    path = tiny_model("llama")
+    with LLM(
+        model=path, dtype="float32", max_model_len=256, speculative_config=NGRAM, **engine
+    ) as llm:
+        prompts = copy_heavy_prompts(llm.config.model_config.vocab_size)
+        assert run(llm, prompts) == reference(path, prompts)
+        stats = llm.engine_core.scheduler.spec_stats
+        assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+        assert len(stats.accepted_per_position) == 3
+        assert_pool_full(llm)
+
+
+def test_ngram_proposals() -> None:
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    # The longest suffix (3 tokens) last seen at 4: what followed it there.
+    assert propose_ngram(tokens, 1, 3, 2) == [7, 8]
+    assert propose_ngram(tokens, 1, 3, 9) == [7, 8, 1, 2, 3]
+    assert propose_ngram([5, 6, 7], 1, 3, 2) == []
+    assert propose_ngram([4, 5, 4], 2, 2, 2) == []  # the 1-token match is below the minimum
+    assert propose_ngram([4, 5, 4], 1, 2, 2) == [5, 4]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"num_speculative_tokens": 2}, "speculative_config.method is required"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
+        ({"method": "ngram"}, "num_speculative_tokens must be a positive integer, got None"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 3,
+            },
+            "prompt_lookup_min=4 exceeds prompt_lookup_max=3",
+        ),  # fmt: skip
+        (
+            {"method": "eagle", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+            "prompt_lookup_max is for method 'ngram' only",
+        ),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.model is required"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys \\['k'\\]"),
+        (
+            {"method": "eagle", "num_speculative_tokens": 2, "model": "x"},
+            "the draft model, EAGLE and MTP drafters are not built yet",
+        ),
+    ],
+)
+def test_bad_speculative_config_is_named(tiny_model, v1, config, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_engine_args(model=tiny_model("llama"), speculative_config=config)
+
+
+def test_ngram_defaults_and_runner_rule(tiny_model, monkeypatch, caplog) -> None:
+    """vLLM's defaults (both lookup ends 5; "[ngram]" as the model names the method); a model
+    that would get V2 falls back to V1 naming the method, forced V2 refuses it."""
+    path = tiny_model("llama")
+    monkeypatch.delenv("PDSERVE_USE_V2_MODEL_RUNNER", raising=False)
+    with caplog.at_level(logging.WARNING):
+        config = EngineConfig.from_engine_args(
+            model=path, speculative_config={"model": "[ngram]", "num_speculative_tokens": 2}
+        )
+    spec = config.speculative_config
+    assert (spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 5, 5)
+    assert config.use_v2_model_runner is False
+    assert config.scheduler_config.async_scheduling is False
+    assert caplog.text.count("speculative method 'ngram'; using the V1 model runner") == 1
+    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(
+        ValueError, match="^Model Runner V2 does not yet support: speculative method 'ngram'$"
+    ):
+        EngineConfig.from_engine_args(model=path, speculative_config=NGRAM)
+
+
+@pytest.mark.parametrize(
+    ("arch", "args", "message"),
+    [
+        ("llama", {"async_scheduling": True}, "speculative_config with async_scheduling"),
+        ("mamba", {}, "its recurrent state cannot take rejected drafts back"),
+    ],
+)
+def test_what_speculation_does_not_run_with_yet_is_refused(tiny_model, v1, arch, args, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_engine_args(model=tiny_model(arch), speculative_config=NGRAM, **args)
