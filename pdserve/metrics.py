@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.scheduler.scheduler import SchedulerStats
-from pdserve.scheduler.stats import PromptTokenSources
+from pdserve.scheduler.stats import PromptTokenSources, SpecDecodingStats
 
 if TYPE_CHECKING:
     from pdserve.engine.output_processor import RequestUpdate
@@ -97,6 +97,20 @@ class EngineMetrics:
             source: self._prompt_tokens_by_source.labels(**labels, source=source)
             for source in PromptTokenSources.__struct_fields__
         }
+        spec_docs = {
+            "num_drafts": "Speculative decoding: drafts verified.",
+            "num_draft_tokens": "Speculative decoding: draft tokens verified.",
+            "num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
+        }
+        self.spec_counters = {
+            name: counter(f"spec_decode_{name}", doc) for name, doc in spec_docs.items()
+        }
+        self._spec_per_position = Counter(
+            "pdserve:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each draft position.",
+            [*names, "position"],
+            registry=self.registry,
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Time to the first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
@@ -158,7 +172,23 @@ class EngineMetrics:
             delta = getattr(sources, source) - getattr(sources_before, source)
             if delta > 0:
                 counter.inc(delta)
+        if stats.spec_decoding is not None:
+            self._record_spec_decoding(stats.spec_decoding, last.spec_decoding if last else None)
         self._last_stats = stats
+
+    def _record_spec_decoding(
+        self, spec: SpecDecodingStats, before: SpecDecodingStats | None
+    ) -> None:
+        before = before or SpecDecodingStats()
+        for name, counter in self.spec_counters.items():
+            delta = getattr(spec, name) - getattr(before, name)
+            if delta > 0:
+                counter.inc(delta)
+        previous = before.accepted_per_position
+        for position, count in enumerate(spec.accepted_per_position):
+            delta = count - (previous[position] if position < len(previous) else 0)
+            if delta > 0:
+                self._spec_per_position.labels(**self._labels, position=str(position)).inc(delta)
 
     def record_kv_connector_stats(self, stats: dict[str, float]) -> None:
         for name, value in stats.items():

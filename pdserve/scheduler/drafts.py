@@ -16,11 +16,11 @@ tokens equal those of decoding without speculation. Other requests decode a toke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from pdserve.config.speculative import SpeculativeConfig
 from pdserve.outputs import ModelRunnerOutput
 from pdserve.request import Request
+from pdserve.scheduler.stats import SpecDecodingStats
 
 
 def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -63,26 +63,6 @@ def _takes_drafts(request: Request) -> bool:
         and p.repetition_penalty == 1.0
         and request.num_output_tokens >= p.min_tokens
     )
-
-
-@dataclass
-class SpecDecodingStats:
-    """vLLM's spec-decode counters, cumulative: drafts verified, their tokens, the tokens
-    accepted, and accepted per draft position."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        per_position = self.accepted_per_position
-        per_position += [0] * (num_draft_tokens - len(per_position))
-        for position in range(num_accepted):
-            per_position[position] += 1
 
 
 def roll_back_rejected(

@@ -26,7 +26,7 @@ from pdserve.kv_connector.noop import NoKVConnectorScheduler
 from pdserve.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.admission import Admissions, WaitingAdmission
-from pdserve.scheduler.drafts import NgramDrafter, SpecDecodingStats, roll_back_rejected
+from pdserve.scheduler.drafts import NgramDrafter, roll_back_rejected
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.output_builder import build_scheduler_output
@@ -39,7 +39,7 @@ from pdserve.scheduler.sampled_tokens import (
     attach_prompt_logprobs,
     sampled_rows,
 )
-from pdserve.scheduler.stats import SchedulerStats
+from pdserve.scheduler.stats import SchedulerStats, SpecDecodingStats
 from pdserve.scheduler.step import StepDecisions, StepsInFlight, advance_requests
 
 if TYPE_CHECKING:
@@ -362,6 +362,11 @@ class Scheduler:
             num_blocks=self.kv_cache_manager.block_pool.num_blocks,
             # A snapshot: the admission goes on counting into its own.
             prompt_tokens_by_source=msgspec.structs.replace(self.admission.prompt_token_sources),
+            spec_decoding=None
+            if self.drafter is None
+            else msgspec.structs.replace(
+                self.spec_stats, accepted_per_position=list(self.spec_stats.accepted_per_position)
+            ),
         )
 
     def reset_prefix_cache(self) -> bool:

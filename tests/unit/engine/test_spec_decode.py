@@ -9,11 +9,15 @@ from __future__ import annotations
 import logging
 import random
 
+import msgspec
 import pytest
+from prometheus_client import generate_latest
 
 from pdserve import LLM
 from pdserve.config import EngineConfig
+from pdserve.metrics import EngineMetrics
 from pdserve.scheduler.drafts import propose_ngram
+from pdserve.scheduler.stats import SchedulerStats, SpecDecodingStats
 from tests.unit.engine.test_correctness import assert_pool_full, reference, run
 
 NGRAM = {
@@ -131,3 +135,23 @@ def test_ngram_defaults_and_runner_rule(tiny_model, monkeypatch, caplog) -> None
 def test_what_speculation_does_not_run_with_yet_is_refused(tiny_model, v1, arch, args, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_engine_args(model=tiny_model(arch), speculative_config=NGRAM, **args)
+
+
+def test_spec_decode_counters_on_metrics() -> None:
+    """vLLM's four counters under pdserve's prefix, from the scheduler's cumulative stats (the
+    exposition adds _total); each report adds its difference from the last."""
+    metrics = EngineMetrics("m")
+    spec = SpecDecodingStats()
+    for num_drafts, num_accepted in ((3, 2), (3, 0), (2, 2)):
+        spec.observe(num_drafts, num_accepted)
+        snapshot = msgspec.convert(msgspec.to_builtins(spec), SpecDecodingStats)  # as sent
+        metrics.record_scheduler_stats(
+            SchedulerStats(0, 0, 0.0, 0, 0, 0, 1, 1, spec_decoding=snapshot)
+        )
+    text = generate_latest(metrics.registry).decode()
+    assert 'pdserve:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'pdserve:spec_decode_num_draft_tokens_total{model_name="m"} 8.0' in text
+    assert 'pdserve:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0' in text
+    per_pos = "pdserve:spec_decode_num_accepted_tokens_per_pos_total"
+    assert f'{per_pos}{{model_name="m",position="0"}} 2.0' in text
+    assert f'{per_pos}{{model_name="m",position="1"}} 2.0' in text
