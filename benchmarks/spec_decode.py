@@ -1,0 +1,136 @@
+"""N-gram speculative decoding on the default model, side by side with decoding without it:
+decode tok/s at one request and at 8, on a copy-heavy workload (the model is asked to repeat a
+paragraph it was given) and on one with nothing to copy (open-ended writing), greedy, EOS
+ignored; alternating rounds, medians. With --vllm-python, vLLM's CPU build runs the same n-gram
+config on the same prompts (its tok/s with and without, or why it fails).
+
+    .venv/bin/python benchmarks/spec_decode.py [--rounds 3] [--output-len 128]
+        [--vllm-python /work/vllm-venv/bin/python]
+
+pdserve without speculation runs as it does by default (Model Runner V2, async scheduling);
+with it, V1 and steps one at a time (docs/spec_decode.md). A run's decode tok/s is its output
+tokens over the time between generating 2 and output-len tokens a prompt (the prefill cancels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vs_vllm import DEFAULT_CACHE_DIR, engine_env, resolve_model  # noqa: E402
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+
+PARAGRAPH = (
+    "The scheduler decides which requests run in each step. Running requests come first: each "
+    "gets the tokens that take it to every token it has, as far as the budget lasts. Waiting "
+    "requests are admitted with the rest, oldest first, while blocks and seats last. A request "
+    "whose blocks run out preempts the newest running request, which computes its tokens again "
+    "later."
+)
+WORKLOADS = {
+    "copy": [f"Text: {PARAGRAPH}\n\nThe same text, word for word:\n"],
+    "open": ["Write a short story about a lighthouse keeper who finds a map.\n"],
+}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}  # fmt: skip
+
+
+def decode_tok_s(llm: LLM, prompts: list[str], output_len: int) -> float:
+    def run(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    run(2)  # warm-up: this batch's shapes
+    return len(prompts) * (output_len - 2) / (run(output_len) - run(2))
+
+
+def vllm_tok_s(python: Path, prompts: list[str], args: argparse.Namespace, spec: bool) -> str:
+    """vLLM's end-to-end output tok/s on `prompts` (vs_vllm_driver.py), or why it fails."""
+    from transformers import AutoTokenizer
+
+    model = resolve_model("default", "bfloat16", DEFAULT_CACHE_DIR)  # its HF folder, exported
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    engine_args = {"model": str(model), "dtype": "bfloat16", "max_model_len": 2048}
+    if spec:
+        engine_args["speculative_config"] = NGRAM
+    job = {
+        "engine": "vllm",
+        "engine_args": engine_args,
+        "prompts": [tokenizer.encode(p) for p in prompts],
+        "output_len": args.output_len,
+        "check_prompts": 0,
+        "launched_at": time.time(),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        proc = subprocess.run(
+            [str(python), str(Path(__file__).with_name("vs_vllm_driver.py")), job_path,
+             result_path],
+            capture_output=True, text=True, timeout=1200,
+            env=engine_env("vllm", threads=os.cpu_count() or 1, kv_cache_gib=2),
+        )  # fmt: skip
+        if proc.returncode != 0 or not result_path.exists():
+            errors = [
+                line.split("] ")[-1].strip()
+                for line in (proc.stdout + proc.stderr).splitlines()
+                if "Error: " in line
+            ]
+            return f"fails: {errors[0] if errors else f'exit code {proc.returncode}'}"
+        return f"{json.loads(result_path.read_text())['tok_s']:.1f} tok/s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--vllm-python", type=Path)
+    args = parser.parse_args()
+    results: dict[tuple[str, int, bool], list[float]] = {}
+    acceptance: dict[tuple[str, int], str] = {}
+    for _ in range(args.rounds):
+        for spec in (False, True):  # one engine alive at a time
+            extra = {"speculative_config": NGRAM} if spec else {}
+            with LLM(dtype="bfloat16", **extra) as llm:
+                for workload, texts in WORKLOADS.items():
+                    for batch in (1, 8):
+                        stats = llm.engine_core.scheduler.spec_stats
+                        before = (stats.num_accepted_tokens, stats.num_draft_tokens)
+                        tok_s = decode_tok_s(llm, texts * batch, args.output_len)
+                        results.setdefault((workload, batch, spec), []).append(tok_s)
+                        accepted = stats.num_accepted_tokens - before[0]
+                        drafted = stats.num_draft_tokens - before[1]
+                        if spec:
+                            acceptance[(workload, batch)] = f"{accepted / max(1, drafted):.2f}"
+    print(f"decode tok/s, default model, bf16 (medians of {args.rounds}; load "
+          f"{os.getloadavg()[0]:.1f}); acceptance: accepted / draft tokens")  # fmt: skip
+    print(f"{'workload':>9}{'batch':>6}{'no spec':>10}{'ngram':>10}{'ratio':>7}{'accept':>8}")
+    for workload in WORKLOADS:
+        for batch in (1, 8):
+            off = statistics.median(results[(workload, batch, False)])
+            on = statistics.median(results[(workload, batch, True)])
+            print(
+                f"{workload:>9}{batch:>6}{off:>10.1f}{on:>10.1f}{on / off:>7.2f}"
+                f"{acceptance[(workload, batch)]:>8}"
+            )
+    if args.vllm_python:
+        for workload, texts in WORKLOADS.items():
+            for spec in (False, True):
+                got = vllm_tok_s(args.vllm_python, texts, args, spec)
+                print(f"vLLM CPU, {workload}, batch 1, {'ngram' if spec else 'no spec'}: {got}")
+
+
+if __name__ == "__main__":
+    main()

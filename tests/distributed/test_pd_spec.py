@@ -1,0 +1,59 @@
+"""N-gram speculation on the decode instance of a split (nothing crosses the wire for it): the
+proxy's answers are HF's greedy tokens, as a single instance speculating alike gives them, and
+the mean acceptance length through the proxy is within 5% of the single instance's (vLLM's P/D
+check); pools full after."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.unit.engine.test_spec_decode import NGRAM, copy_heavy_prompts
+from tests.utils.pd import greedy_body, split_proxy, start_instance
+from tests.utils.server import RemoteServer
+from tests.utils.tiny_models import VOCAB_SIZE, hf_greedy
+
+MAX_TOKENS = 24
+V1 = {"PDSERVE_USE_V2_MODEL_RUNNER": "0"}
+
+
+def acceptance_length(server: RemoteServer) -> float:
+    drafts = server.metric("spec_decode_num_drafts_total")
+    return 1 + server.metric("spec_decode_num_accepted_tokens_total") / drafts
+
+
+@pytest.mark.slow
+def test_ngram_on_the_decode_instance_matches_a_single_instance(tiny_model) -> None:
+    model = tiny_model("llama")
+    prompts = copy_heavy_prompts(VOCAB_SIZE)
+    expected = hf_greedy(Path(model), prompts, MAX_TOKENS)
+    spec = ["--speculative-config", json.dumps(NGRAM)]
+    servers: list[RemoteServer] = []
+    try:
+        single = RemoteServer(["serve", "--model", model, "--dtype", "float32", *spec], env=V1)
+        servers.append(single)
+        p = start_instance(model, "kv_producer", runner="0")
+        servers.append(p)
+        d = start_instance(model, "kv_consumer", runner="0", extra_args=spec)
+        servers.append(d)
+        proxy = split_proxy(p, d)
+        servers.append(proxy)
+        for server in (single, proxy):
+            for prompt, tokens in zip(prompts, expected):
+                resp = httpx.post(
+                    f"{server.url}/v1/completions",
+                    json=greedy_body(model, prompt, MAX_TOKENS),
+                    timeout=120,
+                )
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["choices"][0]["token_ids"] == tokens
+        assert d.metric("spec_decode_num_drafts_total") > 0
+        assert acceptance_length(d) == pytest.approx(acceptance_length(single), rel=0.05)
+        for server in (single, p, d):
+            server.wait_pool_full(timeout=30)
+    finally:
+        for server in servers:
+            assert server.stop() == [], "processes left behind"
