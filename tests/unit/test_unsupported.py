@@ -30,11 +30,6 @@ def test_engine_argument_names_the_feature(feature):
         EngineConfig.from_engine_args(**{feature.arg: ON[feature.kind]})
 
 
-def test_speculative_config_names_its_method():
-    with pytest.raises(ValueError, match=r"speculative_config=\{'method': 'ngram'\}"):
-        EngineConfig.from_engine_args(speculative_config={"method": "ngram"})
-
-
 def test_arguments_left_off_are_accepted(tiny_model):
     off = {f.arg: f.off[-1] for f in FEATURES}
     config = EngineConfig.from_engine_args(model=tiny_model("llama"), **off)

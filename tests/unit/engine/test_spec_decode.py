@@ -13,12 +13,12 @@ import msgspec
 import pytest
 from prometheus_client import generate_latest
 
-from pdserve import LLM
+from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.metrics import EngineMetrics
 from pdserve.scheduler.drafts import propose_ngram
 from pdserve.scheduler.stats import SchedulerStats, SpecDecodingStats
-from tests.unit.engine.test_correctness import assert_pool_full, reference, run
+from tests.unit.engine.test_correctness import MAX_TOKENS, assert_pool_full, reference, run
 
 NGRAM = {
     "method": "ngram",
@@ -59,6 +59,29 @@ def test_greedy_with_ngram_drafts_is_greedy(tiny_model, v1, engine) -> None:
         stats = llm.engine_core.scheduler.spec_stats
         assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
         assert len(stats.accepted_per_position) == 3
+        assert_pool_full(llm)
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(tiny_model, v1) -> None:
+    """Each prompt stops at the first occurrence of a token of its greedy output, reached
+    inside a run of drafts or not: the tokens after it are dropped."""
+    path = tiny_model("llama")
+    with LLM(model=path, dtype="float32", max_model_len=256, speculative_config=NGRAM) as llm:
+        prompts = copy_heavy_prompts(llm.config.model_config.vocab_size)
+        expected = reference(path, prompts)
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                stop_token_ids=[tokens[9]],
+            )
+            for tokens in expected
+        ]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for output, tokens in zip(outputs, expected, strict=True):
+            assert output.outputs[0].token_ids == tokens[: tokens.index(tokens[9]) + 1]
+        assert llm.engine_core.scheduler.spec_stats.num_accepted_tokens > 0
         assert_pool_full(llm)
 
 
