@@ -15,18 +15,15 @@ tokens over the time between generating 2 and output-len tokens a prompt (the pr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vs_vllm import DEFAULT_CACHE_DIR, engine_env, resolve_model  # noqa: E402
+from vs_vllm import DEFAULT_CACHE_DIR, resolve_model, try_vllm  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 
@@ -57,7 +54,7 @@ def decode_tok_s(llm: LLM, prompts: list[str], output_len: int) -> float:
 
 
 def vllm_tok_s(python: Path, prompts: list[str], args: argparse.Namespace, spec: bool) -> str:
-    """vLLM's end-to-end output tok/s on `prompts` (vs_vllm_driver.py), or why it fails."""
+    """vLLM's end-to-end output tok/s on `prompts`, or why it fails."""
     from transformers import AutoTokenizer
 
     model = resolve_model("default", "bfloat16", DEFAULT_CACHE_DIR)  # its HF folder, exported
@@ -66,30 +63,13 @@ def vllm_tok_s(python: Path, prompts: list[str], args: argparse.Namespace, spec:
     if spec:
         engine_args["speculative_config"] = NGRAM
     job = {
-        "engine": "vllm",
         "engine_args": engine_args,
         "prompts": [tokenizer.encode(p) for p in prompts],
         "output_len": args.output_len,
         "check_prompts": 0,
-        "launched_at": time.time(),
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        proc = subprocess.run(
-            [str(python), str(Path(__file__).with_name("vs_vllm_driver.py")), job_path,
-             result_path],
-            capture_output=True, text=True, timeout=1200,
-            env=engine_env("vllm", threads=os.cpu_count() or 1, kv_cache_gib=2),
-        )  # fmt: skip
-        if proc.returncode != 0 or not result_path.exists():
-            errors = [
-                line.split("] ")[-1].strip()
-                for line in (proc.stdout + proc.stderr).splitlines()
-                if "Error: " in line
-            ]
-            return f"fails: {errors[0] if errors else f'exit code {proc.returncode}'}"
-        return f"{json.loads(result_path.read_text())['tok_s']:.1f} tok/s"
+    result = try_vllm(python, job)
+    return result if isinstance(result, str) else f"{result['tok_s']:.1f} tok/s"
 
 
 def main() -> None:

@@ -15,10 +15,8 @@ prefill (--prompt-len tokens each) cancels out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vs_vllm import engine_env  # noqa: E402  (the environment before any engine touched it)
+from vs_vllm import try_vllm  # noqa: E402  (before any engine touched the environment)
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from tests.utils.tiny_models import make_tiny_model  # noqa: E402
@@ -54,39 +52,21 @@ def build(arch: str, hidden: int, layers: int, root: Path) -> str:
 
 def vllm_step_ms(python: Path, path: str, args: argparse.Namespace, batch: int) -> str:
     """vLLM's decode step on `path` at `batch` prompts, as step_ms measures it (two output
-    lengths, one run each, through benchmarks/vs_vllm_driver.py), or the error it fails with."""
+    lengths, one run each), or the error it fails with."""
     times = []
     for output_len in (args.output_len, 2 * args.output_len):
         job = {
-            "engine": "vllm",
             "engine_args": {"model": path, "dtype": args.dtype, "max_model_len": 256},
             "prompts": [
                 [3 + (i * 7 + j) % 500 for j in range(args.prompt_len)] for i in range(batch)
             ],
             "output_len": output_len,
             "check_prompts": 0,
-            "launched_at": time.time(),
         }
-        with tempfile.TemporaryDirectory() as tmp:
-            job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-            job_path.write_text(json.dumps(job))
-            proc = subprocess.run(
-                [str(python), str(Path(__file__).with_name("vs_vllm_driver.py")), job_path,
-                 result_path],
-                capture_output=True,
-                text=True,
-                timeout=900,
-                env=engine_env("vllm", threads=os.cpu_count() or 1, kv_cache_gib=2),
-            )  # fmt: skip
-            if proc.returncode != 0 or not result_path.exists():
-                # The root cause's own line ("SomethingError: what"), the first one raised.
-                errors = [
-                    line.split("] ")[-1].strip()
-                    for line in (proc.stdout + proc.stderr).splitlines()
-                    if "Error: " in line
-                ]
-                return f"fails: {errors[0] if errors else f'exit code {proc.returncode}'}"
-            times.append(json.loads(result_path.read_text())["generate_s"])
+        result = try_vllm(python, job, timeout=900)
+        if isinstance(result, str):
+            return result
+        times.append(result["generate_s"])
     return f"{(times[1] - times[0]) / args.output_len * 1000:.2f} ms"
 
 

@@ -258,6 +258,29 @@ def run_engine(engine: str, job: dict, python: Path, env: dict[str, str], log: P
         return json.loads(result_path.read_text())
 
 
+def try_vllm(python: Path, job: dict, timeout: float = 1200) -> dict | str:
+    """One run of `job` by vLLM (vs_vllm_driver.py, in its environment, every core): its
+    result, or where it fails, the root cause's "SomethingError: what" line (the first)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps({**job, "engine": "vllm", "launched_at": time.time()}))
+        proc = subprocess.run(
+            [str(python), str(DRIVER), str(job_path), str(result_path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=engine_env("vllm", threads=os.cpu_count() or 1, kv_cache_gib=2),
+        )
+        if proc.returncode == 0 and result_path.exists():
+            return json.loads(result_path.read_text())
+    errors = [
+        line.split("] ")[-1].strip()
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if "Error: " in line
+    ]
+    return f"fails: {errors[0] if errors else f'exit code {proc.returncode}'}"
+
+
 def kv_bytes(model_config: ModelConfig, dtype: str) -> str:
     """The KV cache's bytes per token, every layer (the cache both engines keep); for MLA beside
     what MHA of the same heads would keep (a key and a value per head)."""

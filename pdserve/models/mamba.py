@@ -77,18 +77,8 @@ class MambaMixer(nn.Module):
         state: tuple[torch.Tensor, torch.Tensor],
         plan: StepPlan,
     ) -> torch.Tensor:
-        conv_states, ssm_states = state
-        if plan.fresh_slots.numel():  # new prompts, or ones recomputed after preemption
-            conv_states[plan.fresh_slots] = 0
-            ssm_states[plan.fresh_slots] = 0
-        out = hidden_states.new_zeros(hidden_states.shape[0], self.out_proj.weight.shape[0])
-        for rows, slot in plan.prompts:
-            out[rows] = self._request(hidden_states[rows], conv_states[slot], ssm_states[slot])
-        if plan.decode_rows.numel():
-            rows, index = plan.decode_rows, plan.decode_slots
-            out[rows], conv = self._step(hidden_states[rows], conv_states[index], ssm_states, index)
-            conv_states[index] = conv
-        return out
+        out_features = self.out_proj.weight.shape[0]
+        return plan.run(hidden_states, out_features, state, self._request, self._step)
 
     def _selection(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dt [N, inner] float32, B, C [N, state]) of convolved tokens u [N, inner]: row by

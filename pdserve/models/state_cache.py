@@ -16,6 +16,7 @@ way, and its hybrid allocator pads a state page to an attention page's size as t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -127,3 +128,28 @@ class StepPlan:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         return cls(tensor(fresh), prompts, tensor(rows), tensor(slots))
+
+    def run(
+        self,
+        x: torch.Tensor,
+        out_features: int,
+        states: tuple[torch.Tensor, torch.Tensor],
+        prompt: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """A state layer's step over x [T, hidden]: the fresh slots zeroed, each prompt through
+        `prompt(rows, conv state, SSM state)` (its slot's views, updated in place), the one-token
+        steps at once through `step(rows, conv states, SSM states, slots)` (the SSM states
+        updated in place at `slots`; the new conv states returned). Padding rows stay 0."""
+        conv_states, ssm_states = states
+        if self.fresh_slots.numel():  # new prompts, or ones recomputed after preemption
+            conv_states[self.fresh_slots] = 0
+            ssm_states[self.fresh_slots] = 0
+        out = x.new_zeros(x.shape[0], out_features)
+        for rows, slot in self.prompts:
+            out[rows] = prompt(x[rows], conv_states[slot], ssm_states[slot])
+        if self.decode_rows.numel():
+            rows, slots = self.decode_rows, self.decode_slots
+            out[rows], conv = step(x[rows], conv_states[slots], ssm_states, slots)
+            conv_states[slots] = conv
+        return out

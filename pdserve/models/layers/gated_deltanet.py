@@ -148,17 +148,8 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor, StepPlan]
     ) -> torch.Tensor:
         conv_states, ssm_states, plan = state
-        if plan.fresh_slots.numel():  # new prompts, or ones recomputed after preemption
-            conv_states[plan.fresh_slots] = 0
-            ssm_states[plan.fresh_slots] = 0
-        out = x.new_zeros(x.shape[0], self.out_proj.weight.shape[0])  # padding rows stay 0
-        for rows, slot in plan.prompts:
-            out[rows] = self._prompt(x[rows], conv_states[slot], ssm_states[slot])
-        if plan.decode_rows.numel():
-            rows, slots = plan.decode_rows, plan.decode_slots
-            out[rows], conv = self._step(x[rows], conv_states[slots], ssm_states, slots)
-            conv_states[slots] = conv
-        return out
+        out_features = self.out_proj.weight.shape[0]
+        return plan.run(x, out_features, (conv_states, ssm_states), self._prompt, self._step)
 
     def _inputs(self, x: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """From the convolved q/k/v [N, conv_dim] of tokens x: q, k [N, Hv, K] normalized (q
