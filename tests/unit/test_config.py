@@ -9,6 +9,7 @@ import pytest
 
 from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.config.speculative import SpeculativeConfig
 
 G = "generate"
 # (architecture, runner_type, is_moe, is_quantized, extra, expected) from vLLM's tests/test_config.py
@@ -118,13 +119,17 @@ def test_forced_v2_names_what_it_lacks(monkeypatch, tiny_model):
 
 
 def test_validation_lists_every_feature():
-    # Hybrid models are refused by ModelConfig already (models/registry.py), so only a stand-in
-    # model config reaches this check with both.
+    # A stand-in config with every feature V2 lacks at once (no real model has them all).
     mc = SimpleNamespace(has_inner_state=True, logits_processors=[lambda ids, logits: logits])
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     features = EngineConfig._get_v2_model_runner_unsupported_features(
-        SimpleNamespace(model_config=mc)
+        SimpleNamespace(model_config=mc, speculative_config=spec)
     )
-    assert features == ["hybrid/mamba models", "custom logits processors"]
+    assert features == [
+        "hybrid/mamba models",
+        "speculative method 'ngram'",
+        "custom logits processors",
+    ]
 
 
 def test_fallback_to_v1_warns_once(monkeypatch, tiny_model, caplog):
