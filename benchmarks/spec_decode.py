@@ -42,7 +42,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
 
 
-def decode_tok_s(llm: LLM, prompts: list[str], output_len: int) -> float:
+def decode_tok_s(llm: LLM, prompts: list[str], output_len: int) -> tuple[float, float]:
+    """(decode tok/s, end-to-end output tok/s, prefill included: vLLM's driver's measure)."""
+
     def run(max_tokens: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
@@ -50,7 +52,9 @@ def decode_tok_s(llm: LLM, prompts: list[str], output_len: int) -> float:
         return time.perf_counter() - start
 
     run(2)  # warm-up: this batch's shapes
-    return len(prompts) * (output_len - 2) / (run(output_len) - run(2))
+    full = run(output_len)
+    num_tokens = len(prompts) * output_len
+    return len(prompts) * (output_len - 2) / (full - run(2)), num_tokens / full
 
 
 def vllm_tok_s(python: Path, prompts: list[str], args: argparse.Namespace, spec: bool) -> str:
@@ -78,7 +82,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--vllm-python", type=Path)
     args = parser.parse_args()
-    results: dict[tuple[str, int, bool], list[float]] = {}
+    results: dict[tuple[str, int, bool], list[tuple[float, float]]] = {}
     acceptance: dict[tuple[str, int], str] = {}
     for _ in range(args.rounds):
         for spec in (False, True):  # one engine alive at a time
@@ -96,14 +100,17 @@ def main() -> None:
                             acceptance[(workload, batch)] = f"{accepted / max(1, drafted):.2f}"
     print(f"decode tok/s, default model, bf16 (medians of {args.rounds}; load "
           f"{os.getloadavg()[0]:.1f}); acceptance: accepted / draft tokens")  # fmt: skip
-    print(f"{'workload':>9}{'batch':>6}{'no spec':>10}{'ngram':>10}{'ratio':>7}{'accept':>8}")
+    print(f"{'workload':>9}{'batch':>6}{'no spec':>10}{'ngram':>10}{'ratio':>7}{'accept':>8}"
+          f"{'e2e no spec':>13}{'e2e ngram':>11}")  # fmt: skip
     for workload in WORKLOADS:
         for batch in (1, 8):
-            off = statistics.median(results[(workload, batch, False)])
-            on = statistics.median(results[(workload, batch, True)])
+            off, on = (
+                [statistics.median(r[i] for r in results[(workload, batch, spec)]) for i in (0, 1)]
+                for spec in (False, True)
+            )
             print(
-                f"{workload:>9}{batch:>6}{off:>10.1f}{on:>10.1f}{on / off:>7.2f}"
-                f"{acceptance[(workload, batch)]:>8}"
+                f"{workload:>9}{batch:>6}{off[0]:>10.1f}{on[0]:>10.1f}{on[0] / off[0]:>7.2f}"
+                f"{acceptance[(workload, batch)]:>8}{off[1]:>13.1f}{on[1]:>11.1f}"
             )
     if args.vllm_python:
         for workload, texts in WORKLOADS.items():
