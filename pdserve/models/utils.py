@@ -70,9 +70,14 @@ class KVCacheGeometry:
     def kv_parts(self) -> int:
         return 1 if self.latent else 2
 
+    def bytes_per_layer_token(self, element_size: int) -> int:
+        """What one token's KV costs in one layer (a state model's state rows are this wide
+        times the block size: models/state_cache.py)."""
+        return self.kv_parts * self.num_kv_heads * self.head_dim * element_size
+
     def bytes_per_token(self, element_size: int) -> int:
         """What one token's KV costs here, every layer."""
-        return self.num_layers * self.kv_parts * self.num_kv_heads * self.head_dim * element_size
+        return self.num_layers * self.bytes_per_layer_token(element_size)
 
 
 def kv_cache_geometry(model: nn.Module) -> KVCacheGeometry:

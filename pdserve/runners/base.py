@@ -93,8 +93,7 @@ class ModelRunnerBase:
         rows = geometry.num_layers
         if self.has_state:
             element_size = torch.empty((), dtype=self.dtype).element_size()
-            row_bytes = self.block_size * geometry.kv_parts * geometry.num_kv_heads
-            row_bytes *= geometry.head_dim * element_size
+            row_bytes = self.block_size * geometry.bytes_per_layer_token(element_size)
             rows += num_state_rows(self.model.state_shapes(), self.dtype, row_bytes)
         return (
             num_blocks,
