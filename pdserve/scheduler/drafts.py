@@ -58,6 +58,9 @@ def _takes_drafts(request: Request) -> bool:
         p.temperature == 0.0
         and request.structured_output is None
         and p.logprobs is None
+        and p.prompt_logprobs is None
+        # Decoding: a prompt's last chunk of one token is no place for drafts.
+        and request.num_tokens > request.num_prompt_tokens
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and p.repetition_penalty == 1.0
