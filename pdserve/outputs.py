@@ -20,6 +20,9 @@ class LogprobsLists(msgspec.Struct, array_like=True):
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
+    # A step whose requests output several tokens (speculative decoding): request i's rows
+    # are [cu[i], cu[i + 1]), one per token; None: row i is request i's one token.
+    cu_num_generated_tokens: list[int] | None = None
 
 
 class KVConnectorOutput(msgspec.Struct, array_like=True, omit_defaults=True):

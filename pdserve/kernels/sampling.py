@@ -91,15 +91,15 @@ def topk_logprobs(
 
 def sample_tokens_torch(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     if inputs.all_greedy and inputs.repetition_penalties is None:
-        return _argmax(logits)  # the logits' own dtype has the float32 copy's argmax
+        return argmax_rows(logits)  # the logits' own dtype has the float32 copy's argmax
     logits = process_logits_torch(logits, inputs)
     if inputs.all_greedy:
-        return _argmax(logits)
+        return argmax_rows(logits)
     probs = logits.softmax(dim=-1)
-    sampled = _argmax(probs.div_(exponential_noise(probs, inputs)))
+    sampled = argmax_rows(probs.div_(exponential_noise(probs, inputs)))
     if inputs.all_random:
         return sampled
-    return torch.where(inputs.temperature < _GREEDY_EPS, _argmax(logits), sampled)
+    return torch.where(inputs.temperature < _GREEDY_EPS, argmax_rows(logits), sampled)
 
 
 def process_logits_torch(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
@@ -188,7 +188,7 @@ def _sorted_values(logits: torch.Tensor) -> torch.Tensor:
     return logits.sort(dim=-1).values
 
 
-def _seed_hash(seed: int, position: int) -> int:
+def seed_hash(seed: int, position: int) -> int:
     """splitmix64 of (seed, position), as a 63-bit torch seed."""
 
     def mix(x: int) -> int:
@@ -211,7 +211,7 @@ def exponential_noise(probs: torch.Tensor, inputs: SamplingInputs) -> torch.Tens
         if seed is None:
             continue
         gen = torch.Generator(device=probs.device)
-        gen.manual_seed(_seed_hash(seed, inputs.output_positions[i]))
+        gen.manual_seed(seed_hash(seed, inputs.output_positions[i]))
         u[i] = torch.empty(vocab_size, device=probs.device).uniform_(generator=gen)
     return u.log_().neg_()
 
@@ -250,7 +250,7 @@ def argmax_cpu(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if backend.use_cpu_kernels(x.device):
         out = argmax_cpu(x)
         if out is not None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -32,22 +30,17 @@ from pdserve.runners.prompt_logprobs import (
     PromptLogprobsTracker,
     compute_prompt_logprobs,
 )
-from pdserve.runners.sampler import Sampler, SamplingMetadata, apply_grammar_bitmask
-from pdserve.sampling_params import SamplingParams
+from pdserve.runners.rejection_sampler import DraftRows, emitted_logprobs, rejection_sample
+from pdserve.runners.sampler import (
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    apply_grammar_bitmask,
+)
 from pdserve.scheduler.output import GrammarBitmask, SchedulerOutput
 from pdserve.utils import cdiv
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SamplingRow:
-    """What the sampler needs of one request that samples this step."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    logits_processors: list[Callable[..., torch.Tensor]] | None = None
 
 
 class ModelRunnerBase:
@@ -137,18 +130,13 @@ class ModelRunnerBase:
         rows: list[SamplingRow],
         prompt_chunks: list[PromptChunk] | None = None,
         grammar: tuple[GrammarBitmask, list[str]] | None = None,
-        draft_indices: torch.Tensor | None = None,
-    ) -> tuple[list[int], LogprobsLists | None, list[int]]:
-        """The step's tokens (and their logprobs), and the greedy token after each of the
-        tokens at `draft_indices` (speculative decoding's verification: runners/drafts.py);
-        the prompt logprobs of `prompt_chunks` go to `self.prompt_logprobs`. `grammar`: the
-        step's structured-outputs bitmask and the request id of each row."""
+        drafts: DraftRows | None = None,
+    ) -> tuple[list[list[int]], LogprobsLists | None]:
+        """Each sampling row's tokens (one, or with `drafts` its accepted drafts and one more:
+        runners/rejection_sampler.py) and their logprobs; the prompt logprobs of
+        `prompt_chunks` go to `self.prompt_logprobs`. `grammar`: the step's structured-outputs
+        bitmask and the request id of each row."""
         hidden = self._forward(inputs)
-        verified = []
-        if draft_indices is not None and hidden is not None:
-            # The same float32 logits, row by row, as the sampler's greedy argmax reads.
-            logits = self.model.compute_logits(hidden[draft_indices])
-            verified = logits.argmax(dim=-1).tolist()
         if prompt_chunks and hidden is not None:
             prompt_rows = compute_prompt_logprobs(
                 hidden, prompt_chunks, self.model.compute_logits, self.sampler.topk_logprobs
@@ -156,7 +144,10 @@ class ModelRunnerBase:
             for chunk, chunk_rows in zip(prompt_chunks, prompt_rows):
                 self.prompt_logprobs.record(chunk, chunk_rows)
         if not rows:
-            return [], None, verified
+            return [], None
+        if drafts is not None:
+            assert hidden is not None, "speculation runs on one pipeline stage"
+            return self._verify(hidden, rows, grammar, drafts)
         if hidden is None:
             # A stage before the last gets the last stage's tokens; it knows how many.
             sampled = torch.empty(len(rows), dtype=torch.int64, device=self.device)
@@ -165,7 +156,7 @@ class ModelRunnerBase:
             sampled, logprobs = self._sample(hidden, inputs, rows, grammar)
         if parallel_state.get_pp_world_size() > 1:
             parallel_state.broadcast_from_output_rank(sampled)
-        return sampled.tolist(), logprobs, verified
+        return [[t] for t in sampled.tolist()], logprobs
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The final hidden states; None on a pipeline stage before the last."""
@@ -197,7 +188,40 @@ class ModelRunnerBase:
         rows: list[SamplingRow],
         grammar: tuple[GrammarBitmask, list[str]] | None,
     ) -> tuple[torch.Tensor, LogprobsLists | None]:
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits, md = self._logits_and_metadata(hidden[inputs.logits_indices], rows, grammar)
+        out = self.sampler(logits, md)
+        logprobs = out.logprobs
+        if logprobs is not None:
+            logprobs = _own_widths(logprobs, rows)
+        return out.sampled_token_ids, logprobs
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        rows: list[SamplingRow],
+        grammar: tuple[GrammarBitmask, list[str]] | None,
+        drafts: DraftRows,
+    ) -> tuple[list[list[int]], LogprobsLists | None]:
+        """A step with drafts: every row of `drafts` sampled, the drafts accepted or not."""
+        rows = drafts.expand(rows)
+        if grammar is not None:
+            grammar = (grammar[0], drafts.row_req_ids)
+        index = torch.from_numpy(drafts.logits_indices).to(hidden.device)
+        logits, md = self._logits_and_metadata(hidden[index], rows, grammar)
+        tokens, chosen = rejection_sample(logits, md, drafts)
+        if md.max_num_logprobs is None:
+            return tokens, None
+        ids, values, ranks = self.sampler.topk_logprobs(logits, chosen, md.max_num_logprobs)
+        lists = _own_widths(LogprobsLists(ids.tolist(), values.tolist(), ranks.tolist()), rows)
+        return tokens, emitted_logprobs(lists, tokens, drafts)
+
+    def _logits_and_metadata(
+        self,
+        hidden: torch.Tensor,
+        rows: list[SamplingRow],
+        grammar: tuple[GrammarBitmask, list[str]] | None,
+    ) -> tuple[torch.Tensor, SamplingMetadata]:
+        logits = self.model.compute_logits(hidden)
         if grammar is not None:
             apply_grammar_bitmask(logits, *grammar)
         md = SamplingMetadata.from_params(
@@ -210,17 +234,7 @@ class ModelRunnerBase:
             if any(r.logits_processors for r in rows)
             else None,
         )
-        out = self.sampler(logits, md)
-        logprobs = out.logprobs
-        if logprobs is not None:
-            # The sampler returns the batch maximum of top-k columns; each request asked for its own.
-            widths = [(r.params.logprobs or 0) + 1 for r in rows]
-            logprobs = LogprobsLists(
-                [ids[:w] for ids, w in zip(logprobs.logprob_token_ids, widths)],
-                [vals[:w] for vals, w in zip(logprobs.logprobs, widths)],
-                logprobs.sampled_token_ranks,
-            )
-        return out.sampled_token_ids, logprobs
+        return logits, md
 
     def make_output(
         self,
@@ -247,14 +261,41 @@ class ModelRunnerBase:
         raise NotImplementedError
 
 
+def _own_widths(lp: LogprobsLists, rows: list[SamplingRow]) -> LogprobsLists:
+    """The sampler returns the batch maximum of top-k columns; each request asked for its own."""
+    widths = [(r.params.logprobs or 0) + 1 for r in rows]
+    return LogprobsLists(
+        [ids[:w] for ids, w in zip(lp.logprob_token_ids, widths)],
+        [vals[:w] for vals, w in zip(lp.logprobs, widths)],
+        lp.sampled_token_ranks,
+    )
+
+
 def _scatter_logprobs(
     lp: LogprobsLists, sampling_req_ids: list[str], req_ids: list[str]
 ) -> LogprobsLists:
-    row_of = {r: i for i, r in enumerate(sampling_req_ids)}
+    """From sampling order to batch order: a request that sampled nothing gets an empty row,
+    or no rows where each request has `cu_num_generated_tokens` rows."""
+    cu = lp.cu_num_generated_tokens
+    if cu is None:
+        cu = list(range(len(sampling_req_ids) + 1))
+        empty: list[int] | None = []
+    else:
+        empty = None
+    spans = {r: (cu[i], cu[i + 1]) for i, r in enumerate(sampling_req_ids)}
     ids, vals, ranks = [], [], []
+    new_cu = [0]
     for r in req_ids:
-        i = row_of.get(r)
-        ids.append(lp.logprob_token_ids[i] if i is not None else [])
-        vals.append(lp.logprobs[i] if i is not None else [])
-        ranks.append(lp.sampled_token_ranks[i] if i is not None else -1)
-    return LogprobsLists(ids, vals, ranks)
+        span = spans.get(r)
+        if span is None:
+            if empty is not None:
+                ids.append([])
+                vals.append([])
+                ranks.append(-1)
+            new_cu.append(new_cu[-1])
+            continue
+        ids.extend(lp.logprob_token_ids[span[0] : span[1]])
+        vals.extend(lp.logprobs[span[0] : span[1]])
+        ranks.extend(lp.sampled_token_ranks[span[0] : span[1]])
+        new_cu.append(new_cu[-1] + span[1] - span[0])
+    return LogprobsLists(ids, vals, ranks, None if empty is not None else new_cu)

@@ -106,6 +106,16 @@ class SamplerOutput:
     logprobs: LogprobsLists | None
 
 
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request that samples this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    logits_processors: list[Callable[..., torch.Tensor]] | None = None
+
+
 class Sampler(nn.Module):
     def __init__(self, use_kernels: bool) -> None:
         """use_kernels: dispatch to Triton on CUDA (or when forced); else always the torch

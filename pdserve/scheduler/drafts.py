@@ -4,13 +4,13 @@ rollback of those the model rejected.
 A decoding request's draft is the tokens that followed the latest earlier occurrence of the
 longest suffix of its tokens (prompt_lookup_max down to prompt_lookup_min tokens; vLLM's n-gram
 method). The step schedules the request's next token and its drafts together (1 + k tokens,
-their KV slots allocated like any other); the runner verifies them (runners/drafts.py) and
-returns the accepted drafts and one more token; the drafts after the first rejected one are
+their KV slots allocated like any other); the runner verifies them (runners/rejection_sampler.py)
+and returns the accepted drafts and one more token; the drafts after the first rejected one are
 rolled back here (`num_computed_tokens`: their KV is simply written over later).
 
-Drafts go to greedy requests whose next token is the model's argmax alone (no penalties,
-logprobs, grammar or min_tokens still to hold): the verification is exact for them, so their
-tokens equal those of decoding without speculation. Other requests decode a token a step.
+Drafts go to decoding requests, greedy or sampled, with penalties, logprobs and min_tokens: the
+runner samples each draft position as a step of one token would. Requests under a grammar
+decode a token a step.
 """
 
 from __future__ import annotations
@@ -53,18 +53,11 @@ class NgramDrafter:
 
 
 def _takes_drafts(request: Request) -> bool:
-    p = request.sampling_params
     return (
-        p.temperature == 0.0
-        and request.structured_output is None
-        and p.logprobs is None
-        and p.prompt_logprobs is None
+        request.structured_output is None
+        and request.sampling_params.prompt_logprobs is None
         # Decoding: a prompt's last chunk of one token is no place for drafts.
         and request.num_tokens > request.num_prompt_tokens
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and p.repetition_penalty == 1.0
-        and request.num_output_tokens >= p.min_tokens
     )
 
 

@@ -126,16 +126,21 @@ def _drop_stale_token(request: Request) -> bool:
 def attach_logprobs(
     outputs: list[EngineCoreOutput], model_runner_output: ModelRunnerOutput
 ) -> None:
-    """One row per request and step: row i belongs to the runner's request i."""
+    """Each output's rows: row i belongs to the runner's request i, or request i's rows start
+    at cu[i] (several tokens a step), as many as its tokens a stop left."""
     logprobs = model_runner_output.logprobs
     assert logprobs is not None
     index = model_runner_output.req_id_to_index
+    cu = logprobs.cu_num_generated_tokens
     for output in outputs:
         row = index[output.request_id]
+        start, end = (
+            (row, row + 1) if cu is None else (cu[row], cu[row] + len(output.new_token_ids))
+        )
         output.new_logprobs = LogprobsLists(
-            logprobs.logprob_token_ids[row : row + 1],
-            logprobs.logprobs[row : row + 1],
-            logprobs.sampled_token_ranks[row : row + 1],
+            logprobs.logprob_token_ids[start:end],
+            logprobs.logprobs[start:end],
+            logprobs.sampled_token_ranks[start:end],
         )
 
 

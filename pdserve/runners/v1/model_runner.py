@@ -7,9 +7,10 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from pdserve.runners.base import ModelRunnerBase, SamplingRow
-from pdserve.runners.drafts import accept_drafts, draft_positions
+from pdserve.runners.base import ModelRunnerBase
 from pdserve.runners.inputs import build_step_inputs
+from pdserve.runners.rejection_sampler import DraftRows
+from pdserve.runners.sampler import SamplingRow
 from pdserve.runners.v1.input_batch import CachedRequestState, InputBatch
 from pdserve.scheduler.output import SchedulerOutput
 
@@ -134,16 +135,12 @@ class ModelRunnerV1(ModelRunnerBase):
                 if (i := index.get(r)) is not None
             )
         grammar = None if so.grammar_bitmask is None else (so.grammar_bitmask, sampling_req_ids)
-        draft_indices = None
+        drafts = None
         if spec:
-            positions_of = draft_positions(spec, batch.req_id_to_index, cu_num_scheduled)
-            draft_indices = to_dev(np.array(positions_of, dtype=np.int64))
-        sampled, logprobs, verified = self.forward_and_sample(
-            inputs, rows, prompt_chunks, grammar, draft_indices
-        )
-        tokens = {r: [t] for r, t in zip(sampling_req_ids, sampled)}
-        if spec:
-            accept_drafts(spec, verified, tokens)
+            ends = cu_num_scheduled[sampling_rows].tolist()
+            drafts = DraftRows.build(spec, sampling_req_ids, ends)
+        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks, grammar, drafts)
+        tokens = dict(zip(sampling_req_ids, sampled))
         for row, req_id in zip(sampling_rows.tolist(), sampling_req_ids):
             self.requests[req_id].output_token_ids.extend(tokens[req_id])
             for token in tokens[req_id]:

@@ -15,8 +15,9 @@ from pdserve.config import EngineConfig
 from pdserve.kernels import backend
 from pdserve.kernels.input_prep import prepare_inputs
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from pdserve.runners.base import ModelRunnerBase, SamplingRow
+from pdserve.runners.base import ModelRunnerBase
 from pdserve.runners.inputs import StepInputs, step_inputs_from_prepared
+from pdserve.runners.sampler import SamplingRow
 from pdserve.runners.v2.cudagraph import CudaGraphModel, StaticInputs, batch_descriptors
 from pdserve.runners.v2.states import RequestStates, to_device
 from pdserve.scheduler.output import SchedulerOutput
@@ -119,10 +120,10 @@ class ModelRunnerV2(ModelRunnerBase):
                 if (j := position.get(r)) is not None
             )
         grammar = None if so.grammar_bitmask is None else (so.grammar_bitmask, sampling_req_ids)
-        sampled, logprobs, _ = self.forward_and_sample(inputs, rows, prompt_chunks, grammar)
+        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks, grammar)
         if sampled:
-            states.append_sampled(sampling_idx, sampled)
-        tokens = {r: [t] for r, t in zip(sampling_req_ids, sampled)}
+            states.append_sampled(sampling_idx, [t for (t,) in sampled])
+        tokens = dict(zip(sampling_req_ids, sampled))
         return self.make_output(req_ids, tokens, logprobs, sampling_req_ids)
 
     def _prepare_inputs(

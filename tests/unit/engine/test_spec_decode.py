@@ -85,6 +85,44 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(tiny_model, 
         assert_pool_full(llm)
 
 
+def test_drafts_with_penalties_min_tokens_and_logprobs_change_nothing(tiny_model, v1) -> None:
+    """Greedy requests with penalties, min_tokens and logprobs draft too: their tokens and
+    logprobs are those of decoding without speculation. Sampled requests draft and finish."""
+    path = tiny_model("llama")
+    common = {"max_tokens": MAX_TOKENS}
+    kinds = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, **common),
+        SamplingParams(temperature=0.0, min_tokens=20, logprobs=2, **common),
+        SamplingParams(temperature=0.0, presence_penalty=0.5, logprobs=0, **common),
+        SamplingParams(temperature=0.8, top_k=20, seed=3, logprobs=1, **common),
+    ]
+
+    def generate(**spec) -> list:
+        with LLM(model=path, dtype="float32", max_model_len=256, **spec) as llm:
+            prompts = copy_heavy_prompts(llm.config.model_config.vocab_size)
+            params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+            inputs = [{"prompt_token_ids": p} for p in prompts]
+            outputs = [o.outputs[0] for o in llm.generate(inputs, params, use_tqdm=False)]
+            if spec:
+                assert llm.engine_core.scheduler.spec_stats.num_accepted_tokens > 0
+            assert_pool_full(llm)
+        return outputs
+
+    with_drafts, without = generate(speculative_config=NGRAM), generate()
+    for i, (got, want) in enumerate(zip(with_drafts, without, strict=True)):
+        params = kinds[i % len(kinds)]
+        if params.logprobs is not None:
+            assert got.logprobs is not None and len(got.logprobs) == len(got.token_ids)
+        if params.temperature > 0:
+            continue
+        assert got.token_ids == want.token_ids
+        for got_lp, want_lp in zip(got.logprobs or [], want.logprobs or [], strict=True):
+            assert got_lp.keys() == want_lp.keys()
+            for token, entry in got_lp.items():
+                assert entry.rank == want_lp[token].rank
+                assert entry.logprob == pytest.approx(want_lp[token].logprob, abs=1e-5)
+
+
 def test_ngram_proposals() -> None:
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
     # The longest suffix (3 tokens) last seen at 4: what followed it there.
