@@ -170,9 +170,18 @@ def apply_grammar_bitmask(
     logits: torch.Tensor, grammar: GrammarBitmask, row_req_ids: list[str]
 ) -> None:
     """Structured outputs: -inf, in place, at the logits of the tokens each constrained row may
-    not sample. `row_req_ids`: the request of each logits row."""
-    row_of = {req_id: row for row, req_id in enumerate(row_req_ids)}
-    pairs = [(i, row_of[r]) for i, r in enumerate(grammar.req_ids) if r in row_of]
+    not sample. `row_req_ids`: the request of each logits row; a request with drafts has
+    several rows, in order, as its bitmask has."""
+    rows_of: dict[str, list[int]] = {}
+    for row, req_id in enumerate(row_req_ids):
+        rows_of.setdefault(req_id, []).append(row)
+    taken: dict[str, int] = {}
+    pairs = []
+    for i, req_id in enumerate(grammar.req_ids):
+        own = rows_of.get(req_id)
+        if own is not None:
+            nth = taken[req_id] = taken.get(req_id, -1) + 1
+            pairs.append((i, own[nth]))
     if not pairs:
         return
     vocab_size = logits.shape[-1]

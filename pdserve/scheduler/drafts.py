@@ -8,9 +8,10 @@ their KV slots allocated like any other); the runner verifies them (runners/reje
 and returns the accepted drafts and one more token; the drafts after the first rejected one are
 rolled back here (`num_computed_tokens`: their KV is simply written over later).
 
-Drafts go to decoding requests, greedy or sampled, with penalties, logprobs and min_tokens: the
-runner samples each draft position as a step of one token would. Requests under a grammar
-decode a token a step.
+Drafts go to decoding requests, greedy or sampled, with penalties, logprobs, min_tokens and
+grammars: the runner samples each draft position as a step of one token would. A request under
+a grammar takes only the drafts its grammar accepts (the bitmask of each draft position
+assumes the drafts before it).
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ class NgramDrafter:
         if k <= 0 or not _takes_drafts(request):
             return []
         assert self.min_n is not None and self.max_n is not None
-        return propose_ngram(request.all_token_ids, self.min_n, self.max_n, k)
+        drafts = propose_ngram(request.all_token_ids, self.min_n, self.max_n, k)
+        if drafts and request.structured_output is not None:
+            return request.structured_output.valid_prefix(drafts)
+        return drafts
 
 
 def _takes_drafts(request: Request) -> bool:
     return (
-        request.structured_output is None
-        and request.sampling_params.prompt_logprobs is None
+        request.sampling_params.prompt_logprobs is None
         # Decoding: a prompt's last chunk of one token is no place for drafts.
         and request.num_tokens > request.num_prompt_tokens
     )

@@ -196,7 +196,7 @@ class Scheduler:
         if self.num_structured_reqs:
             # After the advance: a placeholder marks each request that samples this step.
             scheduler_output.grammar_bitmask = self.structured_output.grammar_bitmask(  # type: ignore[union-attr]
-                scheduled_reqs
+                scheduled_reqs, ran.spec_token_ids
             )
         self._steps_in_flight.push(scheduler_output, scheduled_reqs, step.req_ids)
         return scheduler_output

@@ -64,6 +64,18 @@ class StructuredOutputRequest:
         self.matcher = matcher
         return True
 
+    def valid_prefix(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of `token_ids` (a request's drafts) the grammar accepts from
+        where the matcher is; the matcher is left where it was."""
+        matcher = self.matcher
+        assert matcher is not None
+        n = 0
+        while n < len(token_ids) and matcher.accept_token(token_ids[n]):
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return token_ids[:n]
+
     def accept(self, request_id: str, token_ids: list[int]) -> None:
         matcher = self.matcher
         assert matcher is not None
@@ -110,38 +122,59 @@ class StructuredOutputManager:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
-    def grammar_bitmask(self, requests: list[Request]) -> GrammarBitmask | None:
+    def grammar_bitmask(
+        self, requests: list[Request], spec_token_ids: dict[str, list[int]]
+    ) -> GrammarBitmask | None:
         """Bitmask rows for the requests with a grammar that sample in the step just
-        scheduled (it left each a placeholder: one with a step in flight is not scheduled)."""
+        scheduled (it left each a placeholder: one with a step in flight is not scheduled):
+        one row, and one more per draft (`spec_token_ids`), each for the position after the
+        drafts before it (the scheduler gave each request only drafts its grammar accepts)."""
         sampling = [
             r for r in requests if r.structured_output is not None and r.num_output_placeholders
         ]
         if not sampling:
             return None
-        if self._bitmask is None:
+        req_ids = [
+            r.request_id
+            for r in sampling
+            for _ in range(1 + len(spec_token_ids.get(r.request_id, ())))
+        ]
+        if self._bitmask is None or self._bitmask.shape[0] < len(req_ids):
             import xgrammar as xgr
 
-            self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
+            rows = max(self.max_num_seqs, len(req_ids))
+            self._bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)
         bitmask = self._bitmask
-        for row, request in enumerate(sampling):
+        row = 0
+        for request in sampling:
             matcher = request.structured_output.matcher  # type: ignore[union-attr]
-            if matcher.is_terminated():
-                # Past its end the grammar allows nothing; the request stops on its own (or
-                # runs on under ignore_eos, unconstrained).
-                bitmask[row].fill_(-1)
-            else:
-                matcher.fill_next_token_bitmask(bitmask, row)
-                if not bitmask[row].any():
-                    # A dead end: no token continues the grammar (one whose text the
-                    # vocabulary cannot spell). The request stops rather than loop on nothing.
-                    logger.warning("Request %s: its grammar allows no token.", request.request_id)
-                    bitmask[row].zero_()
-                    for token_id in self.stop_token_ids:
-                        bit = 1 << (token_id % 32)  # as an int32: bit 31 is the sign
-                        bitmask[row, token_id // 32] |= bit - (bit >> 31 << 32)
-        return GrammarBitmask(
-            [r.request_id for r in sampling], bitmask[: len(sampling)].numpy().tobytes()
-        )
+            drafts = spec_token_ids.get(request.request_id, [])
+            for j in range(len(drafts) + 1):
+                self._fill_row(matcher, bitmask, row, request.request_id)
+                row += 1
+                if j < len(drafts):
+                    assert matcher.accept_token(drafts[j]), "a draft its grammar refuses"
+            if drafts:
+                matcher.rollback(len(drafts))
+        return GrammarBitmask(req_ids, bitmask[:row].numpy().tobytes())
+
+    def _fill_row(
+        self, matcher: xgr.GrammarMatcher, bitmask: torch.Tensor, row: int, request_id: str
+    ) -> None:
+        if matcher.is_terminated():
+            # Past its end the grammar allows nothing; the request stops on its own (or runs
+            # on under ignore_eos, unconstrained).
+            bitmask[row].fill_(-1)
+            return
+        matcher.fill_next_token_bitmask(bitmask, row)
+        if not bitmask[row].any():
+            # A dead end: no token continues the grammar (one whose text the vocabulary cannot
+            # spell). The request stops rather than loop on nothing.
+            logger.warning("Request %s: its grammar allows no token.", request_id)
+            bitmask[row].zero_()
+            for token_id in self.stop_token_ids:
+                bit = 1 << (token_id % 32)  # as an int32: bit 31 is the sign
+                bitmask[row, token_id // 32] |= bit - (bit >> 31 << 32)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -67,13 +67,31 @@ def assert_pool_full(llm: LLM) -> None:
     assert not core.waiting_for_grammar and core.scheduler.num_structured_reqs == 0
 
 
-@pytest.mark.parametrize("runner", list(RUNNERS))
-@pytest.mark.parametrize("async_scheduling", [None, False], ids=["async", "sync"])
-def test_greedy_matches_hf_under_each_constraint(tiny_model, monkeypatch, runner, async_scheduling):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize(
+    ("runner", "async_scheduling", "spec"),
+    [
+        ("v1", None, None),
+        ("v1", False, None),
+        ("v2", None, None),
+        ("v2", False, None),
+        ("v1", None, NGRAM),  # each draft position masked as if the drafts before it were out
+    ],
+    ids=["v1-async", "v1-sync", "v2-async", "v2-sync", "v1-ngram"],
+)
+def test_greedy_matches_hf_under_each_constraint(
+    tiny_model, monkeypatch, runner, async_scheduling, spec
+):
     monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", RUNNERS[runner])
     path = tiny_model("llama")
     with LLM(
-        model=path, dtype="float32", max_model_len=256, async_scheduling=async_scheduling
+        model=path,
+        dtype="float32",
+        max_model_len=256,
+        async_scheduling=async_scheduling,
+        speculative_config=spec,
     ) as llm:
         tokenizer = llm.get_tokenizer()
         for kind, constraint in CONSTRAINTS.items():
@@ -94,6 +112,8 @@ def test_greedy_matches_hf_under_each_constraint(tiny_model, monkeypatch, runner
                 elif kind.startswith("json"):
                     json.loads(text)
             assert_pool_full(llm)
+        if spec is not None:
+            assert llm.engine_core.scheduler.spec_stats.num_accepted_tokens > 0
 
 
 def test_terminating_constraints_end_with_a_match(tiny_model):
