@@ -60,6 +60,7 @@ class ModelRunnerOutput:
         "logprobs",
         "kv_connector_output",
         "prompt_logprobs_dict",
+        "draft_token_ids",
         "_index",
     )
 
@@ -70,6 +71,7 @@ class ModelRunnerOutput:
         logprobs: LogprobsLists | None = None,
         kv_connector_output: KVConnectorOutput | None = None,
         prompt_logprobs_dict: dict[str, LogprobsLists] | None = None,
+        draft_token_ids: dict[str, list[int]] | None = None,
         *,
         req_id_to_index: dict[str, int] | None = None,  # when the caller has it already
     ) -> None:
@@ -78,6 +80,8 @@ class ModelRunnerOutput:
         self.logprobs = logprobs
         self.kv_connector_output = kv_connector_output
         self.prompt_logprobs_dict = prompt_logprobs_dict
+        # A draft model's guesses for each request's next step (speculative decoding).
+        self.draft_token_ids = draft_token_ids
         self._index = req_id_to_index
 
     def with_kv_connector_output(self, kv: KVConnectorOutput) -> ModelRunnerOutput:
@@ -89,6 +93,7 @@ class ModelRunnerOutput:
             self.logprobs,
             kv,
             self.prompt_logprobs_dict,
+            self.draft_token_ids,
             req_id_to_index=self._index,
         )
 

@@ -88,6 +88,8 @@ class Request:
         self.num_async_tokens_to_discard = 0
         # Speculative decoding: the drafts its step in flight verifies (scheduler/drafts.py).
         self.num_draft_tokens = 0
+        # A draft model's guesses for its next step, from the runner (scheduler/drafts.py).
+        self.spec_token_ids: list[int] = []
         # Set at first admission (scheduler/admission.py): prompt tokens a prefix cache served,
         # here or on the instance that computed the KV it loaded (usage's cached_tokens).
         self.num_cached_tokens = -1

@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.config.model import ModelConfig
 from pdserve.validation import check_choice, config_from_dict
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # The methods Model Runner V2 runs (vLLM's list); the others take V1.
 V2_METHODS = ("eagle", "eagle3", "mtp")
-IMPLEMENTED = ("ngram",)
+IMPLEMENTED = ("ngram", "draft_model")
 # vLLM's default n-gram window when neither end is given.
 _DEFAULT_LOOKUP = 5
 
@@ -81,8 +82,8 @@ class SpeculativeConfig:
         if self.method not in IMPLEMENTED:
             raise ValueError(
                 f"speculative_config.method={self.method!r}: pdserve runs "
-                f"{', '.join(map(repr, IMPLEMENTED))} so far; the draft model, EAGLE and MTP "
-                "drafters are not built yet."
+                f"{', '.join(map(repr, IMPLEMENTED))} so far; the EAGLE and MTP drafters are "
+                "not built yet."
             )
         if sched.async_scheduling:
             raise ValueError(
@@ -102,6 +103,47 @@ class SpeculativeConfig:
                 "rejected drafts back (vLLM keeps a state per draft position); not supported "
                 "yet."
             )
+        if self.method == "draft_model":
+            self.draft_model_config = self._draft_model_config(model)
+
+    def _draft_model_config(self, target: ModelConfig) -> ModelConfig:
+        """The draft model, in the target's dtype and length. Its KV layers follow the
+        target's in each block (runners/draft_model.py), so they must have the same shape."""
+        draft = ModelConfig(
+            model=self.model, dtype=target.dtype, max_model_len=target.max_model_len
+        )
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: the draft model's vocabulary ({draft.vocab_size} "
+                f"tokens) differs from the target's ({target.vocab_size})."
+            )
+        if draft.has_inner_state:
+            raise ValueError(
+                f"speculative_config.model: a draft model with recurrent state "
+                f"({draft.architecture}) is not supported."
+            )
+        mine, theirs = draft.kv_cache_geometry, target.kv_cache_geometry
+        if (mine.num_kv_heads, mine.head_dim, mine.latent) != (
+            theirs.num_kv_heads,
+            theirs.head_dim,
+            theirs.latent,
+        ):
+            raise ValueError(
+                "speculative_config.model: the draft model's KV layers "
+                f"({mine.num_kv_heads} heads of {mine.head_dim}) differ from the target's "
+                f"({theirs.num_kv_heads} heads of {theirs.head_dim}); its layers share the "
+                "target's blocks, so pdserve needs the same shape so far."
+            )
+        return draft
+
+    @property
+    def drafter_layout(self) -> str:
+        """What the KV connector's handshake compares: a draft model's KV crosses the split
+        with the target's, in the same blocks."""
+        if self.method != "draft_model":
+            return "none"
+        draft = self.draft_model_config
+        return f"draft_model {draft.architecture} of {draft.kv_cache_geometry.num_layers} layers"
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:

@@ -60,6 +60,7 @@ class ModelRunnerOutputWire(msgspec.Struct, array_like=True, omit_defaults=True)
     logprobs: LogprobsLists | None = None
     kv_connector_output: KVConnectorOutput | None = None
     prompt_logprobs_dict: dict[str, LogprobsLists] | None = None
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 def _scheduled_ids(call_args: tuple[Any, ...]) -> list[str] | None:
@@ -79,6 +80,7 @@ def model_runner_output_to_wire(
         output.logprobs,
         output.kv_connector_output,
         output.prompt_logprobs_dict,
+        output.draft_token_ids,
     )
     scheduled = _scheduled_ids(call_args)
     if scheduled is None:
@@ -109,6 +111,7 @@ def model_runner_output_from_wire(
         wire.logprobs,
         wire.kv_connector_output,
         wire.prompt_logprobs_dict,
+        wire.draft_token_ids,
     )
 
 

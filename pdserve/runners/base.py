@@ -24,6 +24,7 @@ from pdserve.models.state_cache import (
 )
 from pdserve.models.utils import KVCacheGeometry, kv_cache_geometry
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
+from pdserve.runners.draft_model import DraftModel
 from pdserve.runners.inputs import StepInputs
 from pdserve.runners.prompt_logprobs import (
     PromptChunk,
@@ -68,6 +69,13 @@ class ModelRunnerBase:
         # block's rows after its attention layers' (state_cache.py).
         self.has_state = False
         self.state_caches: StateCaches = []
+        # Speculative decoding's draft model: its KV layers follow the target's in each block.
+        spec = config.speculative_config
+        self.draft = (
+            DraftModel(config, device, self.dtype)
+            if spec is not None and spec.method == "draft_model"
+            else None
+        )
 
     def load_model(self) -> None:
         mc = self.model_config
@@ -76,6 +84,8 @@ class ModelRunnerBase:
         # Read now: runner V2 may later wrap the model in its CUDA graphs.
         self.kv_cache_geometry = kv_cache_geometry(self.model)
         self.has_state = hasattr(self.model, "state_shapes")
+        if self.draft is not None:
+            self.draft.load()
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[num_blocks, this stage's layers, 2 (key, value) or 1 (a latent), block_size, this TP
@@ -84,6 +94,8 @@ class ModelRunnerBase:
         geometry = self.kv_cache_geometry
         assert geometry is not None, "load_model() first"
         rows = geometry.num_layers
+        if self.draft is not None:
+            rows += self.draft.num_layers
         if self.has_state:
             element_size = torch.empty((), dtype=self.dtype).element_size()
             row_bytes = self.block_size * geometry.bytes_per_layer_token(element_size)
@@ -106,8 +118,9 @@ class ModelRunnerBase:
         shape = self._kv_cache_shape(num_blocks)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         num_layers = self.kv_cache_geometry.num_layers
-        # A latent part serves as key and value: the layer's view reads it as both (stride 0).
-        self.kv_caches = [self.kv_cache[:, i].expand(-1, 2, -1, -1, -1) for i in range(num_layers)]
+        self.kv_caches = _layer_views(self.kv_cache, 0, num_layers)
+        if self.draft is not None:
+            self.draft.kv_caches = _layer_views(self.kv_cache, num_layers, self.draft.num_layers)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             num_blocks,
@@ -137,6 +150,8 @@ class ModelRunnerBase:
         `prompt_chunks` go to `self.prompt_logprobs`. `grammar`: the step's structured-outputs
         bitmask and the request id of each row."""
         hidden = self._forward(inputs)
+        if self.draft is not None:
+            self.draft.run(inputs)
         if prompt_chunks and hidden is not None:
             prompt_rows = compute_prompt_logprobs(
                 hidden, prompt_chunks, self.model.compute_logits, self.sampler.topk_logprobs
@@ -242,6 +257,7 @@ class ModelRunnerBase:
         sampled: dict[str, list[int]],
         logprobs: LogprobsLists | None,
         sampling_req_ids: list[str],
+        draft_token_ids: dict[str, list[int]] | None = None,
     ) -> ModelRunnerOutput:
         """Rows in batch order; requests still in a chunked prefill get no token. The requests
         that sampled their first token get their prompt logprobs, if they are owed them."""
@@ -255,10 +271,16 @@ class ModelRunnerBase:
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
+            draft_token_ids=draft_token_ids,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+
+def _layer_views(kv_cache: torch.Tensor, start: int, num_layers: int) -> list[torch.Tensor]:
+    """Each layer's [blocks, 2, ...] view; a latent part serves as key and value (stride 0)."""
+    return [kv_cache[:, i].expand(-1, 2, -1, -1, -1) for i in range(start, start + num_layers)]
 
 
 def _own_widths(lp: LogprobsLists, rows: list[SamplingRow]) -> LogprobsLists:

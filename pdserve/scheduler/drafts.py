@@ -1,5 +1,5 @@
-"""Speculative decoding's scheduler side (n-gram): the drafts a decode step verifies, and the
-rollback of those the model rejected.
+"""Speculative decoding's scheduler side: the drafts a decode step verifies (the n-gram's, or
+the draft model's the runner proposed), and the rollback of those the model rejected.
 
 A decoding request's draft is the tokens that followed the latest earlier occurrence of the
 longest suffix of its tokens (prompt_lookup_max down to prompt_lookup_min tokens; vLLM's n-gram
@@ -36,21 +36,30 @@ def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
     return []
 
 
-class NgramDrafter:
+class Drafter:
+    """A step's drafts for a request about to decode its next token: the n-gram's, or those
+    the runner proposed after the request's last step (a draft model: runners/draft_model.py,
+    `Request.spec_token_ids`)."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
-        assert config.method == "ngram"
         self.k = config.num_speculative_tokens
-        self.min_n = config.prompt_lookup_min
-        self.max_n = config.prompt_lookup_max
+        self.config = config
+        # A draft model writes its guesses' KV ahead of the tokens it is given: k slots.
+        self.num_lookahead_tokens = self.k if config.method == "draft_model" else 0
 
     def propose(self, request: Request, room: int) -> list[int]:
-        """Drafts for a request about to decode its next token, at most `room` of them (the
-        step's budget, and its max_tokens and max_model_len after the next token)."""
+        """At most `room` drafts (the step's budget), and no more than max_tokens and
+        max_model_len leave room for after the next token."""
+        proposed, request.spec_token_ids = request.spec_token_ids, []  # each used once
         k = min(self.k, room, request.max_num_tokens - request.num_tokens - 1)
         if k <= 0 or not _takes_drafts(request):
             return []
-        assert self.min_n is not None and self.max_n is not None
-        drafts = propose_ngram(request.all_token_ids, self.min_n, self.max_n, k)
+        if self.config.method == "ngram":
+            low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+            assert low is not None and high is not None
+            drafts = propose_ngram(request.all_token_ids, low, high, k)
+        else:
+            drafts = proposed[:k]
         if drafts and request.structured_output is not None:
             return request.structured_output.valid_prefix(drafts)
         return drafts
@@ -62,6 +71,14 @@ def _takes_drafts(request: Request) -> bool:
         # Decoding: a prompt's last chunk of one token is no place for drafts.
         and request.num_tokens > request.num_prompt_tokens
     )
+
+
+def keep_proposals(model_runner_output: ModelRunnerOutput, requests: dict[str, Request]) -> None:
+    """The runner's drafts for each request's next step (a draft model's)."""
+    for req_id, drafts in (model_runner_output.draft_token_ids or {}).items():
+        request = requests.get(req_id)
+        if request is not None:
+            request.spec_token_ids = drafts
 
 
 def roll_back_rejected(

@@ -16,8 +16,12 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool,
         enable_kv_cache_events: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> None:
+        """`num_lookahead_tokens`: slots every request holds past its scheduled tokens (a
+        draft model writes its guesses' KV there)."""
         self.block_size = block_size
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, block_size, enable_kv_cache_events)
@@ -78,7 +82,7 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + num_new_tokens
         if num_new_computed_tokens or num_external_computed_tokens:
             num_tokens += num_new_computed_tokens + num_external_computed_tokens
-        num_slots = min(num_tokens, self.max_model_len)
+        num_slots = min(num_tokens + self.num_lookahead_tokens, self.max_model_len)
         req_blocks = self.req_to_blocks.get(req_id)
         if req_blocks is None:
             new_blocks = self._allocate_first_blocks(
@@ -98,9 +102,9 @@ class KVCacheManager:
                     return None
                 new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
                 req_blocks += new_blocks
-        # The first token count that needs a slot the request lacks, or (below) fills a block
-        # not cached yet: until then the scheduler need not call here.
-        boundary = len(req_blocks) * block_size + 1
+        # The first token count that needs a slot the request lacks (its lookahead included),
+        # or (below) fills a block not cached yet: until then the scheduler need not call here.
+        boundary = len(req_blocks) * block_size + 1 - self.num_lookahead_tokens
         if self.enable_caching:
             num_cached_blocks = self.num_cached_block.get(req_id, 0)
             # Blocks are cached once scheduled, before the forward fills them: a request that
@@ -177,7 +181,8 @@ class KVCacheManager:
         )
         self.num_cached_block[req_id] = num_full_blocks
         request.next_kv_boundary = min(
-            len(req_blocks) * block_size + 1, (num_full_blocks + 1) * block_size
+            len(req_blocks) * block_size + 1 - self.num_lookahead_tokens,
+            (num_full_blocks + 1) * block_size,
         )
 
     def free(self, request: Request) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from pdserve.request import Request, RequestStatus
-from pdserve.scheduler.drafts import NgramDrafter
+from pdserve.scheduler.drafts import Drafter
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.request_queue import SchedulingPolicy, select_victim
 
@@ -40,7 +40,7 @@ def schedule_running(
     policy: SchedulingPolicy,
     preempt: Callable[[Request], None],
     alignment: int = 1,
-    drafter: NgramDrafter | None = None,
+    drafter: Drafter | None = None,
 ) -> RunningSchedule:
     """Victims of preemption stay in `running` (the caller drops them once this returns).
     With a `drafter`, a decode takes its drafts too (scheduler/drafts.py)."""

@@ -26,7 +26,7 @@ from pdserve.kv_connector.noop import NoKVConnectorScheduler
 from pdserve.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.admission import Admissions, WaitingAdmission
-from pdserve.scheduler.drafts import NgramDrafter, roll_back_rejected
+from pdserve.scheduler.drafts import Drafter, keep_proposals, roll_back_rejected
 from pdserve.scheduler.kv_cache_manager import KVCacheManager
 from pdserve.scheduler.output import SchedulerOutput
 from pdserve.scheduler.output_builder import build_scheduler_output
@@ -77,7 +77,7 @@ class Scheduler:
             2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         )
         self.policy = SchedulingPolicy(scheduler_config.policy)
-        self.drafter = None if speculative_config is None else NgramDrafter(speculative_config)
+        self.drafter = None if speculative_config is None else Drafter(speculative_config)
         self.spec_stats = SpecDecodingStats()
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -85,6 +85,7 @@ class Scheduler:
             max_model_len,
             cache_config.enable_prefix_caching,
             enable_kv_cache_events,
+            num_lookahead_tokens=0 if self.drafter is None else self.drafter.num_lookahead_tokens,
         )
         self.remote_kv = RemoteKVRequests(
             self.policy,
@@ -240,6 +241,8 @@ class Scheduler:
                 self.requests,
                 self.spec_stats,
             )
+        if model_runner_output.draft_token_ids:
+            keep_proposals(model_runner_output, self.requests)
         rows = sampled_rows(
             self._steps_in_flight.pop(scheduler_output),
             scheduler_output.num_scheduled_tokens,

@@ -197,14 +197,20 @@ def send(transport: Transport, agent: str, msg: msgspec.Struct) -> bool:
 
 
 def compatibility_factors(
-    architecture: str, kv_cache: torch.Tensor, tp_size: int, transport: str, state_layout: str
+    architecture: str,
+    kv_cache: torch.Tensor,
+    tp_size: int,
+    transport: str,
+    state_layout: str,
+    drafter: str,
 ) -> dict[str, str | int]:
     """Both sides of a transfer must agree on all of these, or the bytes mean nothing.
 
     The layout is the registered cache's own (its geometry is the model's attention layers'),
     with the KV heads counted over the TP group (EngineConfig checks that TP divides them), so
     that instances of different TP sizes agree. A state model's block ends in rows of state
-    (models/state_cache.py), counted in num_layers; `state_layout` says what they hold."""
+    (models/state_cache.py), counted in num_layers; `state_layout` says what they hold. So
+    are a draft model's layers (runners/draft_model.py), which `drafter` names."""
     _, num_layers, parts, block_size, num_kv_heads, head_dim = kv_cache.shape
     return {
         "pdserve_version": pdserve.__version__,
@@ -221,6 +227,8 @@ def compatibility_factors(
         # A rank's state rows hold its share of the channels: equal TP sizes only (vLLM's rule
         # for hybrid models).
         "state_layout": f"{state_layout} over TP {tp_size}" if state_layout else "none",
+        # The decode side's drafter reads the draft KV the prefill side's computed.
+        "drafter": drafter,
     }
 
 

@@ -71,6 +71,8 @@ class NixlConnectorWorker:
         self.transport_name = kv.transport
         self.architecture = config.model_config.architecture
         self.state_layout = config.model_config.state_layout
+        spec = config.speculative_config
+        self.drafter = "none" if spec is None else spec.drafter_layout
         self.enforce_handshake_compat = kv.enforce_handshake_compat
         self.host_staging = kv.uses_host_staging(config.device)
         self.host_buffer_blocks = kv.host_buffer_blocks
@@ -118,7 +120,12 @@ class NixlConnectorWorker:
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
         self.compat_factors = compatibility_factors(
-            self.architecture, kv_cache, self.tp_size, self.transport_name, self.state_layout
+            self.architecture,
+            kv_cache,
+            self.tp_size,
+            self.transport_name,
+            self.state_layout,
+            self.drafter,
         )
         self.compat_hash = compatibility_hash(self.compat_factors)
         region = kv_cache

@@ -145,7 +145,27 @@ class ModelRunnerV1(ModelRunnerBase):
             self.requests[req_id].output_token_ids.extend(tokens[req_id])
             for token in tokens[req_id]:
                 batch.append_token(row, token)
-        return self.make_output(req_ids, tokens, logprobs, sampling_req_ids)
+        proposals = None
+        if self.draft is not None and len(sampling_rows):
+            proposals = self._propose(sampling_rows, sampling_req_ids)
+        return self.make_output(req_ids, tokens, logprobs, sampling_req_ids, proposals)
+
+    def _propose(self, rows: np.ndarray, req_ids: list[str]) -> dict[str, list[int]]:
+        """The draft model's guesses for the next step of each request that sampled: as many
+        as its max_tokens and max_model_len leave room for after its next token."""
+        assert self.draft is not None
+        batch = self.input_batch
+        num_tokens = batch.num_tokens[rows]
+        limits = []
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            max_tokens = state.sampling_params.max_tokens or self.max_model_len
+            limits.append(min(len(state.prompt_token_ids) + max_tokens, self.max_model_len))
+        num_drafts = np.clip(np.minimum(self.draft.k, np.array(limits) - num_tokens - 1), 0, None)
+        guesses = self.draft.propose(
+            batch.token_ids[rows, num_tokens - 1], num_tokens, batch.block_table[rows], num_drafts
+        )
+        return {r: g for r, g in zip(req_ids, guesses) if g}
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(

@@ -19,6 +19,7 @@ from pdserve.metrics import EngineMetrics
 from pdserve.scheduler.drafts import propose_ngram
 from pdserve.scheduler.stats import SchedulerStats, SpecDecodingStats
 from tests.unit.engine.test_correctness import MAX_TOKENS, assert_pool_full, reference, run
+from tests.utils.tiny_models import make_tiny_model
 
 NGRAM = {
     "method": "ngram",
@@ -49,17 +50,62 @@ def v1(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
     ids=["batched", "chunked", "preempting"],
 )
-def test_greedy_with_ngram_drafts_is_greedy(tiny_model, v1, engine) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_with_drafts_is_greedy(tiny_model, v1, engine, method) -> None:
+    """The draft model is the target itself (a mechanics check): its guesses are the target's
+    greedy tokens, so every draft is accepted, its KV kept right through chunks, preemption
+    and rollback."""
     path = tiny_model("llama")
+    spec = NGRAM if method == "ngram" else draft_model(path)
     with LLM(
-        model=path, dtype="float32", max_model_len=256, speculative_config=NGRAM, **engine
+        model=path, dtype="float32", max_model_len=256, speculative_config=spec, **engine
     ) as llm:
         prompts = copy_heavy_prompts(llm.config.model_config.vocab_size)
         assert run(llm, prompts) == reference(path, prompts)
         stats = llm.engine_core.scheduler.spec_stats
         assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+        if method == "draft_model":
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
         assert len(stats.accepted_per_position) == 3
         assert_pool_full(llm)
+
+
+def draft_model(path: str) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+
+
+def test_another_draft_model_changes_acceptance_not_tokens(tiny_model, v1, tmp_path) -> None:
+    """A draft of one layer and other weights: its guesses are mostly rejected (both models
+    are random), the tokens are the target's greedy ones; its layers' KV share the blocks."""
+    path = tiny_model("llama")
+    draft = make_tiny_model("llama", tmp_path / "draft", seed=1, num_hidden_layers=1)
+    with LLM(
+        model=path, dtype="float32", max_model_len=256, speculative_config=draft_model(str(draft))
+    ) as llm:
+        prompts = copy_heavy_prompts(llm.config.model_config.vocab_size)
+        assert run(llm, prompts) == reference(path, prompts)
+        stats = llm.engine_core.scheduler.spec_stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+        runner = llm.engine_core.executor.worker.model_runner
+        assert runner.kv_cache.shape[1] == 2 + 1  # the target's layers, then the draft's
+        assert_pool_full(llm)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"vocab_size": 600}, "the draft model's vocabulary \\(600 tokens\\) differs from "),
+        ({"num_key_value_heads": 4}, "the draft model's KV layers \\(4 heads of 16\\) differ"),
+    ],
+)
+def test_a_draft_model_the_target_cannot_use_is_named(
+    tiny_model, v1, tmp_path, overrides, message
+) -> None:
+    draft = make_tiny_model("llama", tmp_path / "draft", **overrides)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_engine_args(
+            model=tiny_model("llama"), speculative_config=draft_model(str(draft))
+        )
 
 
 def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(tiny_model, v1) -> None:
@@ -156,7 +202,7 @@ def test_ngram_proposals() -> None:
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys \\['k'\\]"),
         (
             {"method": "eagle", "num_speculative_tokens": 2, "model": "x"},
-            "the draft model, EAGLE and MTP drafters are not built yet",
+            "the EAGLE and MTP drafters are not built yet",
         ),
     ],
 )

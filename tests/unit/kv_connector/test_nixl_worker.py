@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 
+from pdserve.config.speculative import SpeculativeConfig
 from pdserve.kv_connector.nixl import handshaker as nixl_handshaker
 from pdserve.kv_connector.nixl import lease as nixl_lease
 from pdserve.kv_connector.nixl.handshake import HandshakeServer
@@ -377,6 +378,36 @@ def test_a_state_model_handshake_refuses_what_it_cannot_read(
         Finished(d).until(recving=("d-1",))
         (why,) = d.take_load_errors().values()
         assert reason in why, why
+    finally:
+        for worker in workers:
+            worker.shutdown()
+
+
+def test_a_decode_drafter_the_prefill_side_lacks_fails_the_handshake(
+    model: str, serve: Callable[..., int], clock: Clock
+) -> None:
+    """A draft model's KV layers travel in the target's blocks: a decode instance with a
+    draft model refuses a prefill instance without one, naming both sides (the caches here
+    are of one shape, as if the layer counts matched)."""
+    workers = []
+    for role in ("kv_producer", "kv_consumer"):
+        config = kv_config(model, role, role, kv_lease_duration=LEASE)
+        if role == "kv_consumer":
+            spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+            config.speculative_config = SpeculativeConfig.from_any(spec)
+            config.scheduler_config.async_scheduling = False  # as EngineConfig would leave it
+            config.speculative_config.check_engine(
+                config.model_config, config.scheduler_config, config.parallel_config
+            )
+        worker = NixlConnectorWorker(config, 0)
+        worker.register_kv_caches(cache(NUM_BLOCKS, role == "kv_producer"))
+        workers.append(worker)
+    p, d = workers
+    try:
+        load(d, **{"d-1": recv([1], [0], "p-1", serve(p), engine="kv_producer")})
+        Finished(d).until(recving=("d-1",))
+        (why,) = d.take_load_errors().values()
+        assert "drafter: prefill none, decode draft_model LlamaForCausalLM of 2 layers" in why
     finally:
         for worker in workers:
             worker.shutdown()
