@@ -1,7 +1,11 @@
-"""N-gram speculation on the decode instance of a split (nothing crosses the wire for it): the
-proxy's answers are HF's greedy tokens, as a single instance speculating alike gives them, and
-the mean acceptance length through the proxy is within 5% of the single instance's (vLLM's P/D
-check); pools full after."""
+"""Speculation on the decode instance of a split: the proxy's answers are HF's greedy tokens, as
+a single instance speculating alike gives them, and the mean acceptance length through the
+proxy is within 5% of the single instance's (vLLM's P/D check); pools full after.
+
+- n-gram, pull: nothing crosses the wire for it; the prefill instance has no speculative config.
+- draft model, push: the draft's KV of the prompt crosses in the target's blocks (the prefill
+  instance runs the same draft). The draft is the target itself, so on both sides every draft
+  is accepted only if the draft KV that arrived is right."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.unit.engine.test_spec_decode import NGRAM, copy_heavy_prompts
+from tests.unit.engine.test_spec_decode import NGRAM, copy_heavy_prompts, draft_model
 from tests.utils.pd import greedy_body, split_proxy, start_instance
 from tests.utils.server import RemoteServer
 from tests.utils.tiny_models import VOCAB_SIZE, hf_greedy
@@ -26,20 +30,27 @@ def acceptance_length(server: RemoteServer) -> float:
 
 
 @pytest.mark.slow
-def test_ngram_on_the_decode_instance_matches_a_single_instance(tiny_model) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_on_the_decode_instance_matches_a_single_instance(tiny_model, method) -> None:
     model = tiny_model("llama")
     prompts = copy_heavy_prompts(VOCAB_SIZE)
     expected = hf_greedy(Path(model), prompts, MAX_TOKENS)
-    spec = ["--speculative-config", json.dumps(NGRAM)]
+    config = NGRAM if method == "ngram" else draft_model(model)
+    spec = ["--speculative-config", json.dumps(config)]
+    # The n-gram split pulls, the draft model's pushes.
+    connector = "NixlConnector" if method == "ngram" else "NixlPushConnector"
     servers: list[RemoteServer] = []
     try:
         single = RemoteServer(["serve", "--model", model, "--dtype", "float32", *spec], env=V1)
         servers.append(single)
-        p = start_instance(model, "kv_producer", runner="0")
+        prefill_args = [] if method == "ngram" else spec
+        p = start_instance(
+            model, "kv_producer", runner="0", extra_args=prefill_args, connector=connector
+        )
         servers.append(p)
-        d = start_instance(model, "kv_consumer", runner="0", extra_args=spec)
+        d = start_instance(model, "kv_consumer", runner="0", extra_args=spec, connector=connector)
         servers.append(d)
-        proxy = split_proxy(p, d)
+        proxy = split_proxy(p, d, *([] if method == "ngram" else ["--kv-mode", "push"]))
         servers.append(proxy)
         for server in (single, proxy):
             for prompt, tokens in zip(prompts, expected):
@@ -52,6 +63,10 @@ def test_ngram_on_the_decode_instance_matches_a_single_instance(tiny_model) -> N
                 assert resp.json()["choices"][0]["token_ids"] == tokens
         assert d.metric("spec_decode_num_drafts_total") > 0
         assert acceptance_length(d) == pytest.approx(acceptance_length(single), rel=0.05)
+        if method == "draft_model":
+            for server in (single, d):
+                accepted = server.metric("spec_decode_num_accepted_tokens_total")
+                assert accepted == server.metric("spec_decode_num_draft_tokens_total")
         for server in (single, p, d):
             server.wait_pool_full(timeout=30)
     finally:
