@@ -1,11 +1,15 @@
-"""N-gram speculative decoding on the default model, side by side with decoding without it:
-decode tok/s at one request and at 8, on a copy-heavy workload (the model is asked to repeat a
+"""Speculative decoding on the default model, side by side with decoding without it: decode
+tok/s at one request and at 8, on a copy-heavy workload (the model is asked to repeat a
 paragraph it was given) and on one with nothing to copy (open-ended writing), greedy, EOS
 ignored; alternating rounds, medians. With --vllm-python, vLLM's CPU build runs the same n-gram
 config on the same prompts (its tok/s with and without, or why it fails).
 
     .venv/bin/python benchmarks/spec_decode.py [--rounds 3] [--output-len 128]
-        [--vllm-python /work/vllm-venv/bin/python]
+        [--vllm-python /work/vllm-venv/bin/python] [--method draft_model [--draft PATH]]
+
+`--method draft_model` drafts with a model (`--draft`, by default the default model itself: a
+mechanics check whose acceptance should be 1.0 and whose speed cannot win, the draft costing
+what the target does).
 
 pdserve without speculation runs as it does by default (Model Runner V2, async scheduling);
 with it, V1 and steps one at a time (docs/spec_decode.md). A run's decode tok/s is its output
@@ -26,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vs_vllm import DEFAULT_CACHE_DIR, resolve_model, try_vllm  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.models.loader.source import default_model_path  # noqa: E402
 
 PARAGRAPH = (
     "The scheduler decides which requests run in each step. Running requests come first: each "
@@ -81,12 +86,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--vllm-python", type=Path)
+    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument("--draft", help="the draft model (default: the default model)")
     args = parser.parse_args()
+    config = NGRAM
+    if args.method == "draft_model":
+        draft = args.draft or str(default_model_path())
+        config = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
     results: dict[tuple[str, int, bool], list[tuple[float, float]]] = {}
     acceptance: dict[tuple[str, int], str] = {}
     for _ in range(args.rounds):
         for spec in (False, True):  # one engine alive at a time
-            extra = {"speculative_config": NGRAM} if spec else {}
+            extra = {"speculative_config": config} if spec else {}
             with LLM(dtype="bfloat16", **extra) as llm:
                 for workload, texts in WORKLOADS.items():
                     for batch in (1, 8):
@@ -100,8 +111,9 @@ def main() -> None:
                             acceptance[(workload, batch)] = f"{accepted / max(1, drafted):.2f}"
     print(f"decode tok/s, default model, bf16 (medians of {args.rounds}; load "
           f"{os.getloadavg()[0]:.1f}); acceptance: accepted / draft tokens")  # fmt: skip
-    print(f"{'workload':>9}{'batch':>6}{'no spec':>10}{'ngram':>10}{'ratio':>7}{'accept':>8}"
-          f"{'e2e no spec':>13}{'e2e ngram':>11}")  # fmt: skip
+    name = "ngram" if args.method == "ngram" else "draft"
+    print(f"{'workload':>9}{'batch':>6}{'no spec':>10}{name:>10}{'ratio':>7}{'accept':>8}"
+          f"{'e2e no spec':>13}{'e2e ' + name:>11}")  # fmt: skip
     for workload in WORKLOADS:
         for batch in (1, 8):
             off, on = (
@@ -112,7 +124,7 @@ def main() -> None:
                 f"{workload:>9}{batch:>6}{off[0]:>10.1f}{on[0]:>10.1f}{on[0] / off[0]:>7.2f}"
                 f"{acceptance[(workload, batch)]:>8}{off[1]:>13.1f}{on[1]:>11.1f}"
             )
-    if args.vllm_python:
+    if args.vllm_python and args.method == "ngram":
         for workload, texts in WORKLOADS.items():
             for spec in (False, True):
                 got = vllm_tok_s(args.vllm_python, texts, args, spec)
