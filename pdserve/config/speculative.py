@@ -9,15 +9,21 @@ EngineConfig's rule (Model Runner V2: EAGLE, EAGLE-3, MTP); which methods pdserv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.config.model import ModelConfig
 from pdserve.validation import check_choice, config_from_dict
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from pdserve.models.loader.source import ModelSource
+
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-# The methods Model Runner V2 runs (vLLM's list); the others take V1.
-V2_METHODS = ("eagle", "eagle3", "mtp")
-IMPLEMENTED = ("ngram", "draft_model")
+# The methods pdserve's Model Runner V2 runs: none yet (vLLM's runs EAGLE, EAGLE-3 and MTP);
+# with speculation a model takes V1.
+V2_METHODS: tuple[str, ...] = ()
+IMPLEMENTED = ("ngram", "draft_model", "eagle")
 # vLLM's default n-gram window when neither end is given.
 _DEFAULT_LOOKUP = 5
 
@@ -82,7 +88,7 @@ class SpeculativeConfig:
         if self.method not in IMPLEMENTED:
             raise ValueError(
                 f"speculative_config.method={self.method!r}: pdserve runs "
-                f"{', '.join(map(repr, IMPLEMENTED))} so far; the EAGLE and MTP drafters are "
+                f"{', '.join(map(repr, IMPLEMENTED))} so far; the EAGLE-3 and MTP drafters are "
                 "not built yet."
             )
         if sched.async_scheduling:
@@ -105,6 +111,8 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model":
             self.draft_model_config = self._draft_model_config(model)
+        elif self.method == "eagle":
+            self.eagle_source, self.eagle_config = self._eagle_config(model)
 
     def _draft_model_config(self, target: ModelConfig) -> ModelConfig:
         """The draft model, in the target's dtype and length. Its KV layers follow the
@@ -136,10 +144,43 @@ class SpeculativeConfig:
             )
         return draft
 
+    def _eagle_config(self, target: ModelConfig) -> tuple[ModelSource, PretrainedConfig]:
+        """The EAGLE head's folder and config (a Llama config of its layers). It reads the
+        target's hidden states and shares its embedding and LM head, and its KV layers follow
+        the target's in each block: all must have the target's sizes."""
+        # Imported here: the loader pulls in the model zoo.
+        from pdserve.models import loader, registry
+        from pdserve.models.layers.decoder import head_dim_of
+        from pdserve.models.llama import LlamaForCausalLM
+
+        if not issubclass(registry.get_model_class(target.architecture), LlamaForCausalLM):
+            raise ValueError(
+                f"speculative_config.method='eagle' runs with Llama-family targets so far, "
+                f"not {target.architecture}."
+            )
+        source = loader.resolve_model_source(self.model)
+        head = loader.load_hf_config(source)
+        theirs = target.kv_cache_geometry
+        kv_heads = getattr(head, "num_key_value_heads", None) or head.num_attention_heads
+        for name, mine, want in (
+            ("hidden_size", head.hidden_size, target.hf_config.hidden_size),
+            ("vocab_size", head.vocab_size, target.vocab_size),
+            ("num_key_value_heads", kv_heads, theirs.num_kv_heads),
+            ("head_dim", head_dim_of(head), theirs.head_dim),
+        ):
+            if mine != want:
+                raise ValueError(
+                    f"speculative_config.model: the EAGLE head's {name} ({mine}) differs from "
+                    f"the target's ({want})."
+                )
+        return source, head
+
     @property
     def drafter_layout(self) -> str:
         """What the KV connector's handshake compares: a draft model's KV crosses the split
         with the target's, in the same blocks."""
+        if self.method == "eagle":
+            return f"eagle head of {self.eagle_config.num_hidden_layers} layers"
         if self.method != "draft_model":
             return "none"
         draft = self.draft_model_config

@@ -25,12 +25,14 @@ from pdserve.models.state_cache import (
 from pdserve.models.utils import KVCacheGeometry, kv_cache_geometry
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
 from pdserve.runners.draft_model import DraftModel
+from pdserve.runners.eagle import EagleProposer
 from pdserve.runners.inputs import StepInputs
 from pdserve.runners.prompt_logprobs import (
     PromptChunk,
     PromptLogprobsTracker,
     compute_prompt_logprobs,
 )
+from pdserve.runners.proposer import Proposer
 from pdserve.runners.rejection_sampler import DraftRows, emitted_logprobs, rejection_sample
 from pdserve.runners.sampler import (
     Sampler,
@@ -69,13 +71,9 @@ class ModelRunnerBase:
         # block's rows after its attention layers' (state_cache.py).
         self.has_state = False
         self.state_caches: StateCaches = []
-        # Speculative decoding's draft model: its KV layers follow the target's in each block.
-        spec = config.speculative_config
-        self.draft = (
-            DraftModel(config, device, self.dtype)
-            if spec is not None and spec.method == "draft_model"
-            else None
-        )
+        # Speculative decoding's model-based drafter: its KV layers follow the target's in
+        # each block (runners/proposer.py).
+        self.draft = _make_proposer(config, device, self.dtype)
 
     def load_model(self) -> None:
         mc = self.model_config
@@ -85,7 +83,7 @@ class ModelRunnerBase:
         self.kv_cache_geometry = kv_cache_geometry(self.model)
         self.has_state = hasattr(self.model, "state_shapes")
         if self.draft is not None:
-            self.draft.load()
+            self.draft.load(self.model)
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[num_blocks, this stage's layers, 2 (key, value) or 1 (a latent), block_size, this TP
@@ -151,7 +149,7 @@ class ModelRunnerBase:
         bitmask and the request id of each row."""
         hidden = self._forward(inputs)
         if self.draft is not None:
-            self.draft.run(inputs)
+            self.draft.observe(inputs, hidden)
         if prompt_chunks and hidden is not None:
             prompt_rows = compute_prompt_logprobs(
                 hidden, prompt_chunks, self.model.compute_logits, self.sampler.topk_logprobs
@@ -276,6 +274,17 @@ class ModelRunnerBase:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+
+def _make_proposer(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> Proposer | None:
+    spec = config.speculative_config
+    if spec is None or spec.method == "ngram":
+        return None  # the scheduler drafts n-grams itself
+    if spec.method == "eagle":
+        return EagleProposer(config, device, dtype)
+    return DraftModel(config, device, dtype)
 
 
 def _layer_views(kv_cache: torch.Tensor, start: int, num_layers: int) -> list[torch.Tensor]:

@@ -45,7 +45,7 @@ class Drafter:
         self.k = config.num_speculative_tokens
         self.config = config
         # A draft model writes its guesses' KV ahead of the tokens it is given: k slots.
-        self.num_lookahead_tokens = self.k if config.method == "draft_model" else 0
+        self.num_lookahead_tokens = 0 if config.method == "ngram" else self.k
 
     def propose(self, request: Request, room: int) -> list[int]:
         """At most `room` drafts (the step's budget), and no more than max_tokens and

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -240,6 +241,31 @@ def make_tiny_model(arch: str, path: Path, *, seed: int = 0, **config_overrides:
     )
     model.save_pretrained(path)
     make_tokenizer(VOCAB_SIZE).save_pretrained(path)
+    return path
+
+
+def make_tiny_eagle_head(path: Path, *, seed: int = 0) -> Path:
+    """An EAGLE head for make_tiny_model("llama") at `path`, in EAGLE's checkpoint layout:
+    `fc` over [embedding, hidden state], one Llama layer without its input norm, and a copy of
+    an embedding (pdserve uses the target's). Random weights: its guesses are rarely right."""
+    path = Path(path)
+    config = tiny_config("llama", num_hidden_layers=1)
+    torch.manual_seed(seed)
+    layer_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _reinit_weights(layer_model, seed)
+    weights = {
+        name.removeprefix("model."): tensor.contiguous()
+        for name, tensor in layer_model.state_dict().items()
+        if name.startswith(("model.layers.0.", "model.embed_tokens."))
+        and "input_layernorm" not in name
+    }
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = config.hidden_size
+    weights["fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(hidden)
+    config.architectures = ["EagleLlamaForCausalLM"]
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    save_file(weights, path / "model.safetensors")
     return path
 
 

@@ -49,12 +49,19 @@ def load_generation_config(source: ModelSource) -> dict[str, Any]:
 
 
 def load_model(
-    hf_config: PretrainedConfig, source: ModelSource, dtype: torch.dtype, device: str | torch.device
+    hf_config: PretrainedConfig,
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    model_cls: type[nn.Module] | None = None,
 ) -> nn.Module:
-    """The registry's model class for `hf_config`, weights loaded, in eval mode on `device`."""
+    """The registry's model class for `hf_config` (or `model_cls`: a draft head no one serves
+    alone), weights loaded, in eval mode on `device`."""
     start = time.perf_counter()
-    info = registry.get_model_info(list(hf_config.architectures))
-    model_cls = registry.get_model_class(info.architecture)
+    if model_cls is None:
+        model_cls = registry.get_model_class(
+            registry.get_model_info(list(hf_config.architectures)).architecture
+        )
     # Parameters are created on the device, so weights are copied there once.
     with torch.device(device):
         model = model_cls(hf_config, dtype)
@@ -63,7 +70,7 @@ def load_model(
     model = model.to(device).eval().requires_grad_(False)
     logger.info(
         "Loaded %s (%s) from %s in %.1f s",
-        info.architecture,
+        model_cls.__name__,
         dtype,
         source.path,
         time.perf_counter() - start,

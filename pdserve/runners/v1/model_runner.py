@@ -9,6 +9,7 @@ from pdserve.config import EngineConfig
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from pdserve.runners.base import ModelRunnerBase
 from pdserve.runners.inputs import build_step_inputs
+from pdserve.runners.proposer import DraftStep
 from pdserve.runners.rejection_sampler import DraftRows
 from pdserve.runners.sampler import SamplingRow
 from pdserve.runners.v1.input_batch import CachedRequestState, InputBatch
@@ -146,26 +147,25 @@ class ModelRunnerV1(ModelRunnerBase):
             for token in tokens[req_id]:
                 batch.append_token(row, token)
         proposals = None
-        if self.draft is not None and len(sampling_rows):
-            proposals = self._propose(sampling_rows, sampling_req_ids)
+        if self.draft is not None:  # EAGLE reads every step, sampled or not
+            num_valid = num_scheduled.copy()  # less the rejected drafts
+            for req_id, own in spec.items():
+                row = batch.req_id_to_index[req_id]
+                num_valid[row] -= len(own) - (len(tokens[req_id]) - 1)
+            proposals = self._propose(
+                DraftStep(
+                    req_ids,
+                    batch.token_ids[:n],
+                    batch.num_tokens[:n].copy(),
+                    batch.num_computed_tokens[:n].copy(),
+                    num_valid,
+                    cu_num_scheduled - num_scheduled,
+                    batch.block_table[:n],
+                    sampling_rows,
+                    np.zeros(0, dtype=np.int64),
+                )
+            )
         return self.make_output(req_ids, tokens, logprobs, sampling_req_ids, proposals)
-
-    def _propose(self, rows: np.ndarray, req_ids: list[str]) -> dict[str, list[int]]:
-        """The draft model's guesses for the next step of each request that sampled: as many
-        as its max_tokens and max_model_len leave room for after its next token."""
-        assert self.draft is not None
-        batch = self.input_batch
-        num_tokens = batch.num_tokens[rows]
-        limits = []
-        for req_id in req_ids:
-            state = self.requests[req_id]
-            max_tokens = state.sampling_params.max_tokens or self.max_model_len
-            limits.append(min(len(state.prompt_token_ids) + max_tokens, self.max_model_len))
-        num_drafts = np.clip(np.minimum(self.draft.k, np.array(limits) - num_tokens - 1), 0, None)
-        guesses = self.draft.propose(
-            batch.token_ids[rows, num_tokens - 1], num_tokens, batch.block_table[rows], num_drafts
-        )
-        return {r: g for r, g in zip(req_ids, guesses) if g}
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(
@@ -174,3 +174,17 @@ class ModelRunnerV1(ModelRunnerBase):
             output_token_ids=state.output_token_ids,
             logits_processors=self.logits_processors,
         )
+
+    def _propose(self, step: DraftStep) -> dict[str, list[int]]:
+        """The drafter's guesses for the next step of each request that sampled: as many as
+        its max_tokens and max_model_len leave room for after its next token."""
+        assert self.draft is not None
+        limits = []
+        for row in step.sampling.tolist():
+            state = self.requests[step.req_ids[row]]
+            max_tokens = state.sampling_params.max_tokens or self.max_model_len
+            limits.append(min(len(state.prompt_token_ids) + max_tokens, self.max_model_len))
+        room = np.array(limits) - step.num_tokens[step.sampling] - 1
+        step.num_drafts = np.clip(np.minimum(self.draft.k, room), 0, None)
+        guesses = self.draft.propose(step)
+        return {step.req_ids[r]: g for r, g in zip(step.sampling.tolist(), guesses) if g}

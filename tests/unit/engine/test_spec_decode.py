@@ -201,8 +201,8 @@ def test_ngram_proposals() -> None:
         ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.model is required"),
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys \\['k'\\]"),
         (
-            {"method": "eagle", "num_speculative_tokens": 2, "model": "x"},
-            "the EAGLE and MTP drafters are not built yet",
+            {"method": "eagle3", "num_speculative_tokens": 2, "model": "x"},
+            "the EAGLE-3 and MTP drafters are not built yet",
         ),
     ],
 )
