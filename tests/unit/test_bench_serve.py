@@ -46,6 +46,29 @@ class FakeServer:
         self.bodies: list[dict] = []
         self.in_flight = 0
         self.peak_in_flight = 0
+        # Speculation's counters on /metrics (404 while off), as a pdserve server exports them:
+        # each request adds 2 drafts of 3 tokens, 4 accepted (2 at position 0, 1 at 1 and 2).
+        self.speculating = False
+        self.num_requests = 0
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if not self.speculating:
+            return web.Response(status=404)
+        n = self.num_requests
+        lines = [
+            "# TYPE pdserve:spec_decode_num_drafts counter",
+            f'pdserve:spec_decode_num_drafts_total{{model_name="m"}} {2 * n + 10}',
+            "# TYPE pdserve:spec_decode_num_draft_tokens counter",
+            f'pdserve:spec_decode_num_draft_tokens_total{{model_name="m"}} {6 * n + 30}',
+            "# TYPE pdserve:spec_decode_num_accepted_tokens counter",
+            f'pdserve:spec_decode_num_accepted_tokens_total{{model_name="m"}} {4 * n + 20}',
+            "# TYPE pdserve:spec_decode_num_accepted_tokens_per_pos counter",
+        ] + [
+            f'pdserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}}'
+            f" {per * n + 5}"
+            for i, per in enumerate((2, 1, 1))
+        ]
+        return web.Response(text="\n".join(lines) + "\n")
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -53,6 +76,7 @@ class FakeServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.num_requests += 1
         prompt = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
         if prompt == FAIL_PROMPT:
             return web.json_response({"error": {"message": "boom"}}, status=500)
@@ -100,6 +124,7 @@ def server() -> Iterator[tuple[FakeServer, str]]:
     fake = FakeServer()
     app = web.Application()
     app.router.add_get("/v1/models", fake.models)
+    app.router.add_get("/metrics", fake.metrics)
     app.router.add_post(COMPLETIONS, fake.generate)
     app.router.add_post(CHAT, fake.generate)
     loop = asyncio.new_event_loop()
@@ -284,3 +309,26 @@ def test_format_table_side_by_side(server: tuple[FakeServer, str]) -> None:
     assert len({len(line) for line in lines}) == 1  # columns aligned
     successful = next(line for line in lines if line.startswith("Successful requests"))
     assert successful.split()[-2:] == ["4", "4"]
+
+
+def test_speculative_decoding_summary_from_the_servers_counters(
+    server: tuple[FakeServer, str],
+) -> None:
+    """vLLM's section: what the server's counters gained over the run (not their totals)."""
+    fake, url = server
+    fake.speculating = True
+    result = asyncio.run(benchmark(url, COMPLETIONS, MODEL, ["a b"] * 5, float("inf"), 4, 0))
+    assert result["spec_decode_num_drafts"] == 10
+    assert result["spec_decode_num_draft_tokens"] == 30
+    assert result["spec_decode_num_accepted_tokens"] == 20
+    assert result["spec_decode_acceptance_rate"] == pytest.approx(100 * 20 / 30)
+    assert result["spec_decode_acceptance_length"] == pytest.approx(3.0)
+    assert result["spec_decode_per_position_acceptance_rate"] == [100.0, 50.0, 50.0]
+    table = format_table([result])
+    assert "Speculative Decoding" in table
+    assert next(line for line in table.splitlines() if line.startswith("Acceptance length"))
+    assert "Position 2 acceptance (%)" in table
+    fake.speculating = False
+    plain = asyncio.run(benchmark(url, COMPLETIONS, MODEL, ["a b"], float("inf"), 4, 0))
+    assert "spec_decode_num_drafts" not in plain
+    assert "Speculative Decoding" not in format_table([plain])
