@@ -18,6 +18,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from pdserve.entrypoints.bench_spec import fetch_spec_counters, spec_summary, spec_table_lines
+
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 PERCENTILES = (50, 90, 99)
@@ -215,71 +217,6 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     return summary
 
 
-# The server's speculative-decoding counters (pdserve's prefix, or vLLM's for a vLLM peer).
-_SPEC_PREFIXES = ("pdserve:spec_decode_", "vllm:spec_decode_")
-SPEC_ROWS: list[tuple[str, str, str]] = [
-    ("Acceptance rate (%)", "spec_decode_acceptance_rate", ".2f"),
-    ("Acceptance length", "spec_decode_acceptance_length", ".2f"),
-    ("Drafts", "spec_decode_num_drafts", "d"),
-    ("Draft tokens", "spec_decode_num_draft_tokens", "d"),
-    ("Accepted tokens", "spec_decode_num_accepted_tokens", "d"),
-]
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-
-
-async def fetch_spec_counters(base_url: str, api_key: str | None = None) -> dict | None:
-    """The server's spec-decode counters from /metrics ({"num_drafts": .., ...,
-    "per_position": {position: accepted}}), or None where it exports none (no speculation, or
-    a proxy)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(
-                base_url.rstrip("/") + "/metrics", headers=auth_headers(api_key)
-            ) as resp:
-                if resp.status != 200:
-                    return None
-                text = await resp.text()
-    except aiohttp.ClientError:
-        return None
-    counters: dict = {"per_position": {}}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            prefix = next((p for p in _SPEC_PREFIXES if sample.name.startswith(p)), None)
-            if prefix is None or not sample.name.endswith("_total"):
-                continue
-            name = sample.name.removeprefix(prefix).removesuffix("_total")
-            if name == "num_accepted_tokens_per_pos":
-                position = int(sample.labels["position"])
-                per_position = counters["per_position"]
-                per_position[position] = per_position.get(position, 0) + int(sample.value)
-            else:
-                counters[name] = counters.get(name, 0) + int(sample.value)
-    return counters if "num_drafts" in counters else None
-
-
-def spec_summary(before: dict | None, after: dict | None) -> dict:
-    """vLLM's speculative-decoding summary of the run: what the counters gained."""
-    if before is None or after is None:
-        return {}
-    gained = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
-    drafts, draft_tokens = gained["num_drafts"], gained["num_draft_tokens"]
-    accepted = gained["num_accepted_tokens"]
-    positions = sorted(after["per_position"])
-    per_position = [after["per_position"][i] - before["per_position"].get(i, 0) for i in positions]
-    return {
-        "spec_decode_num_drafts": drafts,
-        "spec_decode_num_draft_tokens": draft_tokens,
-        "spec_decode_num_accepted_tokens": accepted,
-        "spec_decode_acceptance_rate": 100 * accepted / draft_tokens if draft_tokens else 0.0,
-        "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-        "spec_decode_per_position_acceptance_rate": [
-            100 * n / drafts if drafts else 0.0 for n in per_position
-        ],
-    }
-
-
 async def fetch_model(base_url: str, api_key: str | None = None) -> str:
     """The first model the server lists at /v1/models."""
     async with aiohttp.ClientSession() as session:
@@ -324,7 +261,7 @@ async def benchmark(
     # limit=0: aiohttp's default pool of 100 connections would silently cap concurrency.
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    spec_before = await fetch_spec_counters(base_url, api_key)
+    spec_before = await fetch_spec_counters(base_url, headers)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.perf_counter()
 
@@ -336,7 +273,7 @@ async def benchmark(
 
         results = await asyncio.gather(*(arrive(p, o) for p, o in zip(prompts, offsets)))
         duration = time.perf_counter() - start
-    spec = spec_summary(spec_before, await fetch_spec_counters(base_url, api_key))
+    spec = spec_summary(spec_before, await fetch_spec_counters(base_url, headers))
     return {
         "label": label or base_url,
         "base_url": base_url,
@@ -365,20 +302,7 @@ def format_table(results: list[dict]) -> str:
             title.ljust(name_width) + "".join(format(r[key], fmt).rjust(col_width) for r in results)
         )
     if all("spec_decode_num_drafts" in r for r in results):
-        lines.append("-" * 15 + "Speculative Decoding" + "-" * (len(header) - 35))
-        for title, key, fmt in SPEC_ROWS:
-            lines.append(
-                title.ljust(name_width)
-                + "".join(format(r[key], fmt).rjust(col_width) for r in results)
-            )
-        rates = [r["spec_decode_per_position_acceptance_rate"] for r in results]
-        for i in range(max(map(len, rates))):
-            lines.append(
-                f"Position {i} acceptance (%)".ljust(name_width)
-                + "".join(
-                    (format(r[i], ".2f") if i < len(r) else "-").rjust(col_width) for r in rates
-                )
-            )
+        lines += spec_table_lines(results, name_width, col_width, len(header))
     return "\n".join(lines)
 
 
