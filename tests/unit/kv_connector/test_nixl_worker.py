@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 
+from pdserve.config import EngineConfig
 from pdserve.config.speculative import SpeculativeConfig
 from pdserve.kv_connector.nixl import handshaker as nixl_handshaker
 from pdserve.kv_connector.nixl import lease as nixl_lease
@@ -362,22 +363,31 @@ def test_a_state_model_handshake_refuses_what_it_cannot_read(
     channel), or whose TP differs (its ranks hold other shares of the channels: vLLM too hands
     a hybrid's state over between equal TP sizes only), is refused at the handshake, the reason
     naming both sides."""
-    workers = []
+    configs = []
     for role, state_size, tp in (
         ("kv_producer", 16, 1),
         ("kv_consumer", decode_state_size, decode_tp),
     ):
         model = make_tiny_model("mamba", tmp_path / role, state_size=state_size)
-        config = kv_config(str(model), role, role, tp=tp, kv_lease_duration=LEASE)
+        configs.append(kv_config(str(model), role, role, tp=tp, kv_lease_duration=LEASE))
+    why = handshake_refusal(*configs, serve)
+    assert reason in why, why
+
+
+def handshake_refusal(prefill: EngineConfig, decode: EngineConfig, serve: Callable) -> str:
+    """Why a decode worker of `decode` fails its read from a prefill worker of `prefill`
+    (caches of one shape)."""
+    workers = []
+    for config in (prefill, decode):
         worker = NixlConnectorWorker(config, 0)
-        worker.register_kv_caches(cache(NUM_BLOCKS, role == "kv_producer"))
+        worker.register_kv_caches(cache(NUM_BLOCKS, config is prefill))
         workers.append(worker)
     p, d = workers
     try:
         load(d, **{"d-1": recv([1], [0], "p-1", serve(p), engine="kv_producer")})
         Finished(d).until(recving=("d-1",))
         (why,) = d.take_load_errors().values()
-        assert reason in why, why
+        return why
     finally:
         for worker in workers:
             worker.shutdown()
@@ -389,28 +399,16 @@ def test_a_decode_drafter_the_prefill_side_lacks_fails_the_handshake(
     """A draft model's KV layers travel in the target's blocks: a decode instance with a
     draft model refuses a prefill instance without one, naming both sides (the caches here
     are of one shape, as if the layer counts matched)."""
-    workers = []
-    for role in ("kv_producer", "kv_consumer"):
-        config = kv_config(model, role, role, kv_lease_duration=LEASE)
-        if role == "kv_consumer":
-            spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
-            config.speculative_config = SpeculativeConfig.from_any(spec)
-            config.scheduler_config.async_scheduling = False  # as EngineConfig would leave it
-            config.speculative_config.check_engine(
-                config.model_config, config.scheduler_config, config.parallel_config
-            )
-        worker = NixlConnectorWorker(config, 0)
-        worker.register_kv_caches(cache(NUM_BLOCKS, role == "kv_producer"))
-        workers.append(worker)
-    p, d = workers
-    try:
-        load(d, **{"d-1": recv([1], [0], "p-1", serve(p), engine="kv_producer")})
-        Finished(d).until(recving=("d-1",))
-        (why,) = d.take_load_errors().values()
-        assert "drafter: prefill none, decode draft_model LlamaForCausalLM of 2 layers" in why
-    finally:
-        for worker in workers:
-            worker.shutdown()
+    prefill = kv_config(model, "kv_producer", "kv_producer", kv_lease_duration=LEASE)
+    decode = kv_config(model, "kv_consumer", "kv_consumer", kv_lease_duration=LEASE)
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+    decode.speculative_config = SpeculativeConfig.from_any(spec)
+    decode.scheduler_config.async_scheduling = False  # as EngineConfig would leave it
+    decode.speculative_config.check_engine(
+        decode.model_config, decode.scheduler_config, decode.parallel_config
+    )
+    why = handshake_refusal(prefill, decode, serve)
+    assert "drafter: prefill none, decode draft_model LlamaForCausalLM of 2 layers" in why
 
 
 @transports
