@@ -112,6 +112,7 @@ class ModelRunnerOutput:
             and self.logprobs == other.logprobs
             and self.kv_connector_output == other.kv_connector_output
             and self.prompt_logprobs_dict == other.prompt_logprobs_dict
+            and self.draft_token_ids == other.draft_token_ids
         )
 
     def __repr__(self) -> str:

@@ -17,7 +17,12 @@ import msgspec
 
 from pdserve.outputs import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pdserve.scheduler.output import (
+    CachedRequestData,
+    GrammarBitmask,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 
 def pack_int32(values: Any) -> bytes:
@@ -142,6 +147,8 @@ class SchedulerOutputWire(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_req_ids: set[str]
     preempted_req_ids: set[str] | None = None
     kv_connector_metadata: bytes | None = None
+    grammar_bitmask: GrammarBitmask | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] | None = None
 
 
 def _new_request_to_wire(new: NewRequestData) -> NewRequestWire:
@@ -195,6 +202,8 @@ def scheduler_output_to_wire(
         so.finished_req_ids,
         so.preempted_req_ids,
         so.kv_connector_metadata,
+        so.grammar_bitmask,
+        so.scheduled_spec_decode_tokens,
     )
 
 
@@ -222,6 +231,8 @@ def scheduler_output_from_wire(
         wire.finished_req_ids,
         wire.preempted_req_ids,
         wire.kv_connector_metadata,
+        wire.grammar_bitmask,
+        wire.scheduled_spec_decode_tokens,
     )
 
 

@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.metrics import EngineMetrics
+from pdserve.sampling_params import StructuredOutputsParams
 from pdserve.scheduler.drafts import propose_ngram
 from pdserve.scheduler.stats import SchedulerStats, SpecDecodingStats
 from tests.unit.engine.test_correctness import MAX_TOKENS, assert_pool_full, reference, run
@@ -67,6 +68,32 @@ def test_greedy_with_drafts_is_greedy(tiny_model, v1, engine, method) -> None:
         if method == "draft_model":
             assert stats.num_accepted_tokens == stats.num_draft_tokens
         assert len(stats.accepted_per_position) == 3
+        assert_pool_full(llm)
+
+
+def test_drafts_and_their_grammar_rows_reach_tp_workers(tiny_model, v1) -> None:
+    """Under TP 2 (worker processes): the scheduler's drafts and the bitmask rows of a grammar's
+    draft positions cross the wire to every rank, the draft model's KV is each rank's share."""
+    path = tiny_model("llama")
+    with LLM(
+        model=path,
+        dtype="float32",
+        max_model_len=256,
+        speculative_config=draft_model(path),
+        tensor_parallel_size=2,
+    ) as llm:
+        prompts = copy_heavy_prompts(llm.config.model_config.vocab_size)
+        assert run(llm, prompts) == reference(path, prompts)
+        stats = llm.engine_core.scheduler.spec_stats
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        choices = ["yes", "no", "it depends"]
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=16,
+            structured_outputs=StructuredOutputsParams(choice=choices),
+        )
+        (out,) = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+        assert out.outputs[0].text in choices
         assert_pool_full(llm)
 
 

@@ -17,7 +17,12 @@ from pdserve.outputs import (
     ModelRunnerOutput,
 )
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pdserve.scheduler.output import (
+    CachedRequestData,
+    GrammarBitmask,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 
 def scheduler_output(num_scheduled_tokens: dict[str, int] | None = None) -> SchedulerOutput:
@@ -44,6 +49,8 @@ def scheduler_output(num_scheduled_tokens: dict[str, int] | None = None) -> Sche
         {"gone"},
         {"run-3"},
         b"connector",
+        GrammarBitmask(["run-0", "run-0"], b"\xff" * 8),  # two rows: its next token and a draft
+        {"run-0": [4, 5]},  # speculative decoding's drafts
     )
 
 
@@ -118,9 +125,11 @@ def test_runner_output_with_prompt_logprobs_round_trip() -> None:
         list(so.num_scheduled_tokens),
         [[7], [8], [9], [], [10]],
         prompt_logprobs_dict={"new-0": prompt_logprobs},
+        draft_token_ids={"run-0": [3, 1]},  # a drafter's guesses for the next step
     )
     got = send_reply(output, so)
     assert got == output and got.prompt_logprobs_dict == {"new-0": prompt_logprobs}
+    assert got.draft_token_ids == {"run-0": [3, 1]}
     assert send_reply(ModelRunnerOutput(["run-0"], [[1]]), so).prompt_logprobs_dict is None
 
 
