@@ -1,15 +1,17 @@
 """Speculative decoding on the default model, side by side with decoding without it: decode
 tok/s at one request and at 8, on a copy-heavy workload (the model is asked to repeat a
-paragraph it was given) and on one with nothing to copy (open-ended writing), greedy, EOS
-ignored; alternating rounds, medians. With --vllm-python, vLLM's CPU build runs the same n-gram
+paragraph it was given) and on open-ended writing, greedy, and the same writing sampled at
+temperature 1 (seeded: little repeats, so little is accepted), EOS ignored; alternating rounds,
+medians. With --vllm-python, vLLM's CPU build runs the same n-gram
 config on the same prompts (its tok/s with and without, or why it fails).
 
     .venv/bin/python benchmarks/spec_decode.py [--rounds 3] [--output-len 128]
-        [--vllm-python /work/vllm-venv/bin/python] [--method draft_model [--draft PATH]]
+        [--vllm-python /work/vllm-venv/bin/python] [--method draft_model|eagle [--draft PATH]]
 
 `--method draft_model` drafts with a model (`--draft`, by default the default model itself: a
 mechanics check whose acceptance should be 1.0 and whose speed cannot win, the draft costing
-what the target does).
+what the target does); `--method eagle` with an EAGLE head (`--draft`, by default the one
+benchmarks/train_eagle.py distils).
 
 pdserve without speculation runs as it does by default (Model Runner V2, async scheduling);
 with it, V1 and steps one at a time (docs/spec_decode.md). A run's decode tok/s is its output
@@ -39,19 +41,29 @@ PARAGRAPH = (
     "whose blocks run out preempts the newest running request, which computes its tokens again "
     "later."
 )
+STORY = "Write a short story about a lighthouse keeper who finds a map.\n"
 WORKLOADS = {
     "copy": [f"Text: {PARAGRAPH}\n\nThe same text, word for word:\n"],
-    "open": ["Write a short story about a lighthouse keeper who finds a map.\n"],
+    "open": [STORY],
+    # Sampled at temperature 1: the text rarely repeats itself, so drafts are rarely right and
+    # speculation shows its cost (greedy decoding of this model repeats itself).
+    "sampled": [STORY],
 }
+TEMPERATURE = {"sampled": 1.0}
+EAGLE_HEAD = DEFAULT_CACHE_DIR / "eagle-smollm2"  # benchmarks/train_eagle.py writes it
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
 
 
-def decode_tok_s(llm: LLM, prompts: list[str], output_len: int) -> tuple[float, float]:
+def decode_tok_s(
+    llm: LLM, prompts: list[str], output_len: int, temperature: float = 0.0
+) -> tuple[float, float]:
     """(decode tok/s, end-to-end output tok/s, prefill included: vLLM's driver's measure)."""
 
     def run(max_tokens: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0
+        )
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
@@ -86,13 +98,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--vllm-python", type=Path)
-    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
-    parser.add_argument("--draft", help="the draft model (default: the default model)")
+    parser.add_argument("--method", choices=("ngram", "draft_model", "eagle"), default="ngram")
+    parser.add_argument(
+        "--draft",
+        help="the draft model (default: the default model) or EAGLE head (default: "
+        "benchmarks/train_eagle.py's output)",
+    )
     args = parser.parse_args()
     config = NGRAM
-    if args.method == "draft_model":
-        draft = args.draft or str(default_model_path())
-        config = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
+    if args.method != "ngram":
+        default = default_model_path() if args.method == "draft_model" else EAGLE_HEAD
+        config = {"method": args.method, "model": str(args.draft or default),
+                  "num_speculative_tokens": 4 if args.method == "draft_model" else 3}  # fmt: skip
     results: dict[tuple[str, int, bool], list[tuple[float, float]]] = {}
     acceptance: dict[tuple[str, int], str] = {}
     for _ in range(args.rounds):
@@ -103,7 +120,8 @@ def main() -> None:
                     for batch in (1, 8):
                         stats = llm.engine_core.scheduler.spec_stats
                         before = (stats.num_accepted_tokens, stats.num_draft_tokens)
-                        tok_s = decode_tok_s(llm, texts * batch, args.output_len)
+                        temperature = TEMPERATURE.get(workload, 0.0)
+                        tok_s = decode_tok_s(llm, texts * batch, args.output_len, temperature)
                         results.setdefault((workload, batch, spec), []).append(tok_s)
                         accepted = stats.num_accepted_tokens - before[0]
                         drafted = stats.num_draft_tokens - before[1]
@@ -111,7 +129,7 @@ def main() -> None:
                             acceptance[(workload, batch)] = f"{accepted / max(1, drafted):.2f}"
     print(f"decode tok/s, default model, bf16 (medians of {args.rounds}; load "
           f"{os.getloadavg()[0]:.1f}); acceptance: accepted / draft tokens")  # fmt: skip
-    name = "ngram" if args.method == "ngram" else "draft"
+    name = {"ngram": "ngram", "draft_model": "draft", "eagle": "eagle"}[args.method]
     print(f"{'workload':>9}{'batch':>6}{'no spec':>10}{name:>10}{'ratio':>7}{'accept':>8}"
           f"{'e2e no spec':>13}{'e2e ' + name:>11}")  # fmt: skip
     for workload in WORKLOADS:
@@ -126,6 +144,8 @@ def main() -> None:
             )
     if args.vllm_python and args.method == "ngram":
         for workload, texts in WORKLOADS.items():
+            if workload in TEMPERATURE:
+                continue  # vLLM's driver here decodes greedily
             for spec in (False, True):
                 got = vllm_tok_s(args.vllm_python, texts, args, spec)
                 print(f"vLLM CPU, {workload}, batch 1, {'ngram' if spec else 'no spec'}: {got}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -15,9 +16,10 @@ from prometheus_client import generate_latest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
+from pdserve.config.speculative import SpeculativeConfig
 from pdserve.metrics import EngineMetrics
 from pdserve.sampling_params import StructuredOutputsParams
-from pdserve.scheduler.drafts import propose_ngram
+from pdserve.scheduler.drafts import Drafter, back_off, propose_ngram
 from pdserve.scheduler.stats import SchedulerStats, SpecDecodingStats
 from tests.unit.engine.test_correctness import MAX_TOKENS, assert_pool_full, reference, run
 from tests.utils.tiny_models import make_tiny_model
@@ -194,6 +196,23 @@ def test_drafts_with_penalties_min_tokens_and_logprobs_change_nothing(tiny_model
             for token, entry in got_lp.items():
                 assert entry.rank == want_lp[token].rank
                 assert entry.logprob == pytest.approx(want_lp[token].logprob, abs=1e-5)
+
+
+def test_drafts_that_keep_missing_pause_drafting() -> None:
+    """Consecutive misses pause a request's drafting 1, 2, 4 .. 16 steps; a hit ends it."""
+    request = SimpleNamespace(draft_pause=0, draft_misses=0, spec_token_ids=[])
+    drafter = Drafter(SpeculativeConfig("ngram", 3))
+    pauses = []
+    for _ in range(7):
+        back_off(request, 0)
+        pauses.append(request.draft_pause)
+        for _ in range(request.draft_pause):
+            assert drafter.propose(request, 8) == []  # paused: not even looked up
+        assert request.draft_pause == 0
+    assert pauses == [1, 2, 4, 8, 16, 16, 16]
+    back_off(request, 2)
+    back_off(request, 0)
+    assert request.draft_pause == 1
 
 
 def test_ngram_proposals() -> None:
