@@ -305,28 +305,16 @@ def _own_widths(lp: LogprobsLists, rows: list[SamplingRow]) -> LogprobsLists:
 def _scatter_logprobs(
     lp: LogprobsLists, sampling_req_ids: list[str], req_ids: list[str]
 ) -> LogprobsLists:
-    """From sampling order to batch order: a request that sampled nothing gets an empty row,
-    or no rows where each request has `cu_num_generated_tokens` rows."""
-    cu = lp.cu_num_generated_tokens
-    if cu is None:
-        cu = list(range(len(sampling_req_ids) + 1))
-        empty: list[int] | None = []
-    else:
-        empty = None
+    """From sampling order to batch order, each request's rows marked by
+    `cu_num_generated_tokens` (a request that sampled nothing has none)."""
+    cu = lp.cu_num_generated_tokens or list(range(len(sampling_req_ids) + 1))
     spans = {r: (cu[i], cu[i + 1]) for i, r in enumerate(sampling_req_ids)}
     ids, vals, ranks = [], [], []
     new_cu = [0]
     for r in req_ids:
-        span = spans.get(r)
-        if span is None:
-            if empty is not None:
-                ids.append([])
-                vals.append([])
-                ranks.append(-1)
-            new_cu.append(new_cu[-1])
-            continue
-        ids.extend(lp.logprob_token_ids[span[0] : span[1]])
-        vals.extend(lp.logprobs[span[0] : span[1]])
-        ranks.extend(lp.sampled_token_ranks[span[0] : span[1]])
-        new_cu.append(new_cu[-1] + span[1] - span[0])
-    return LogprobsLists(ids, vals, ranks, None if empty is not None else new_cu)
+        start, end = spans.get(r, (0, 0))
+        ids += lp.logprob_token_ids[start:end]
+        vals += lp.logprobs[start:end]
+        ranks += lp.sampled_token_ranks[start:end]
+        new_cu.append(len(ids))
+    return LogprobsLists(ids, vals, ranks, new_cu)

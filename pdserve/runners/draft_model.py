@@ -18,7 +18,7 @@ from pdserve.kernels.sampling import argmax_rows
 from pdserve.models import loader
 from pdserve.models.utils import kv_cache_geometry
 from pdserve.runners.inputs import StepInputs
-from pdserve.runners.proposer import DraftStep, one_token_inputs
+from pdserve.runners.proposer import DraftStep, chain_guesses
 
 
 class DraftModel:
@@ -45,27 +45,12 @@ class DraftModel:
         self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
 
     def propose(self, step: DraftStep) -> list[list[int]]:
-        assert self.model is not None
-        rows = step.sampling
-        guesses: list[list[int]] = [[] for _ in range(len(rows))]
-        tokens = step.token_ids[rows, step.num_tokens[rows] - 1]
-        positions = step.num_tokens[rows] - 1
-        active = np.arange(len(rows))
-        for j in range(int(step.num_drafts.max(initial=0))):
-            active = active[step.num_drafts[active] > j]
-            inputs = one_token_inputs(
-                tokens[active],
-                positions[active],
-                step.block_table[rows[active]],
-                self.block_size,
-                self.device,
-            )
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
-            )
-            guess = argmax_rows(self.model.compute_logits(hidden)).cpu().numpy()
-            for i, token in zip(active.tolist(), guess.tolist()):
-                guesses[i].append(token)
-            tokens[active] = guess
-            positions[active] += 1
-        return guesses
+        model = self.model
+        assert model is not None
+
+        def next_guesses(inputs: StepInputs, kept: np.ndarray) -> torch.Tensor:
+            hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+            return argmax_rows(model.compute_logits(hidden))
+
+        guesses: list[list[int]] = [[] for _ in step.sampling]
+        return chain_guesses(guesses, step, self.block_size, self.device, next_guesses)

@@ -19,8 +19,8 @@ from pdserve.kernels.linear import pack_linear_weights
 from pdserve.kernels.sampling import argmax_rows
 from pdserve.models import loader
 from pdserve.models.eagle import EagleLlamaHead
-from pdserve.runners.inputs import StepInputs, build_step_inputs
-from pdserve.runners.proposer import DraftStep, one_token_inputs
+from pdserve.runners.inputs import StepInputs, build_step_inputs, to_device
+from pdserve.runners.proposer import DraftStep, chain_guesses
 
 
 class EagleProposer:
@@ -58,49 +58,34 @@ class EagleProposer:
         offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         positions = step.num_computed[rows_of_token] + offsets
         flat = step.starts[rows_of_token] + offsets
-
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-
+        device = self.device
         inputs = build_step_inputs(
-            to_dev(step.token_ids[rows_of_token, positions + 1]),
-            to_dev(positions),
-            to_dev(rows_of_token),
-            to_dev(counts.astype(np.int64)),
-            to_dev(step.num_computed + counts),
-            to_dev(step.block_table),
+            to_device(step.token_ids[rows_of_token, positions + 1], device),
+            to_device(positions, device),
+            to_device(rows_of_token, device),
+            to_device(counts.astype(np.int64), device),
+            to_device(step.num_computed + counts, device),
+            to_device(step.block_table, device),
             self.block_size,
-            to_dev(step.sampling),
+            to_device(step.sampling, device),
         )
         out = head(
             inputs.input_ids,
             inputs.positions,
-            hidden[to_dev(flat)],
+            hidden[to_device(flat, device)],
             self.kv_caches,
             inputs.attn_metadata,
         )
-        rows = step.sampling
-        if not len(rows):
+        if not len(step.sampling):
             return []
         state = out[inputs.logits_indices]  # each sampling row's last position
-        guess = argmax_rows(head.compute_logits(state)).cpu().numpy()
-        guesses: list[list[int]] = [[t] for t in guess.tolist()]
-        tokens, next_positions = guess, step.num_tokens[rows] - 1
-        active = np.arange(len(rows))
-        for j in range(1, int(step.num_drafts.max(initial=0))):
-            keep = step.num_drafts[active] > j
-            active, state = active[keep], state[to_dev(np.nonzero(keep)[0])]
-            one = one_token_inputs(
-                tokens[active],
-                next_positions[active],
-                step.block_table[rows[active]],
-                self.block_size,
-                self.device,
-            )
+        first = argmax_rows(head.compute_logits(state)).tolist()
+
+        def next_guesses(one: StepInputs, kept: np.ndarray) -> torch.Tensor:
+            nonlocal state
+            state = state[to_device(np.nonzero(kept)[0], device)]
             state = head(one.input_ids, one.positions, state, self.kv_caches, one.attn_metadata)
-            guess = argmax_rows(head.compute_logits(state)).cpu().numpy()
-            for i, token in zip(active.tolist(), guess.tolist()):
-                guesses[i].append(token)
-            tokens[active] = guess
-            next_positions[active] += 1
-        return [g[:n] for g, n in zip(guesses, step.num_drafts.tolist())]
+            return argmax_rows(head.compute_logits(state))
+
+        guesses = [[t] for t in first]
+        return chain_guesses(guesses, step, self.block_size, device, next_guesses, lag=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.kernels.attention import AttentionMetadata
@@ -18,6 +19,13 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     # Index into the flat batch of the last token of each request that samples this step.
     logits_indices: torch.Tensor  # [num_sampling_reqs] int64
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A device tensor of values, without a host sync on CUDA."""
+    if device.type != "cuda":
+        return torch.from_numpy(values)
+    return torch.from_numpy(values).pin_memory().to(device, non_blocking=True)
 
 
 def build_step_inputs(

@@ -10,13 +10,14 @@ past the request's tokens, in the lookahead slots the scheduler holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from pdserve.runners.inputs import StepInputs, build_step_inputs
+from pdserve.runners.inputs import StepInputs, build_step_inputs, to_device
 
 
 @dataclass
@@ -57,19 +58,48 @@ def one_token_inputs(
     device: torch.device,
 ) -> StepInputs:
     """A step of one token per row, every row sampling."""
-
-    def to_dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
     m = len(tokens)
-    rows = np.arange(m)
+    rows = to_device(np.arange(m), device)
     return build_step_inputs(
-        to_dev(tokens),
-        to_dev(positions),
-        to_dev(rows),
-        to_dev(np.ones(m, dtype=np.int64)),
-        to_dev(positions + 1),
-        to_dev(block_table),
+        to_device(tokens, device),
+        to_device(positions, device),
+        rows,
+        to_device(np.ones(m, dtype=np.int64), device),
+        to_device(positions + 1, device),
+        to_device(block_table, device),
         block_size,
-        to_dev(rows),
+        rows,
     )
+
+
+def chain_guesses(
+    guesses: list[list[int]],
+    step: DraftStep,
+    block_size: int,
+    device: torch.device,
+    next_guesses: Callable[[StepInputs, np.ndarray], torch.Tensor],
+    lag: int = 0,
+) -> list[list[int]]:
+    """Extend each sampling row's guesses one pass of one token at a time until it has
+    step.num_drafts of them: a pass reads each row's last guess (or, with none yet, its last
+    token) at that token's position, less `lag` (EAGLE reads the token at t + 1 at position
+    t). `next_guesses(inputs, kept)`: the pass's argmax tokens; `kept` marks which of the
+    previous pass's rows are still in it."""
+    rows = step.sampling
+    last_tokens = step.token_ids[rows, step.num_tokens[rows] - 1]
+    tokens = np.array([g[-1] if g else t for g, t in zip(guesses, last_tokens.tolist())])
+    done = np.array([len(g) for g in guesses], dtype=np.int64)
+    positions = step.num_tokens[rows] - 1 + done - lag
+    active = np.arange(len(rows))
+    for j in range(min(map(len, guesses), default=0), int(step.num_drafts.max(initial=0))):
+        kept = step.num_drafts[active] > j
+        active = active[kept]
+        inputs = one_token_inputs(
+            tokens[active], positions[active], step.block_table[rows[active]], block_size, device
+        )
+        guess = next_guesses(inputs, kept).cpu().numpy()
+        for i, token in zip(active.tolist(), guess.tolist()):
+            guesses[i].append(token)
+        tokens[active] = guess
+        positions[active] += 1
+    return [g[: int(n)] for g, n in zip(guesses, step.num_drafts)]

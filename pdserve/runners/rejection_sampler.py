@@ -86,7 +86,7 @@ def rejection_sample(
 ) -> tuple[list[list[int]], torch.Tensor]:
     """Each sampling request's tokens (its accepted drafts and one more), and the token each
     logits row stands for (its draft where accepted), for the logprobs."""
-    has_draft = [d is not None for d in rows.draft_token_ids]
+    has_draft = torch.tensor([d is not None for d in rows.draft_token_ids], device=logits.device)
     drafts = torch.tensor([d or 0 for d in rows.draft_token_ids], device=logits.device)
     logits = apply_host_steps(logits, md)
     if md.all_greedy:
@@ -98,13 +98,12 @@ def rejection_sample(
         probs = processed.softmax(dim=-1)
         accept_random = _uniforms(md, probs.device) < probs.gather(1, drafts[:, None])[:, 0]
         # The residual: p without the draft (rows without one keep p whole).
-        draft_rows = torch.tensor(has_draft, device=probs.device)
-        probs[draft_rows, drafts[draft_rows]] = 0.0
+        probs[has_draft, drafts[has_draft]] = 0.0
         drawn = argmax_rows(probs.div_(exponential_noise(probs, md)))
         random = md.temperature >= _GREEDY_EPS
         tokens = torch.where(random, drawn, greedy)
         accepted = torch.where(random, accept_random, tokens == drafts)
-    accepted &= torch.tensor(has_draft, device=logits.device)
+    accepted &= has_draft
     chosen = torch.where(accepted, drafts, tokens)
     return _walk(chosen.tolist(), accepted.tolist(), rows.num_rows), chosen
 

@@ -8,7 +8,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from pdserve.runners.base import ModelRunnerBase
-from pdserve.runners.inputs import build_step_inputs
+from pdserve.runners.inputs import build_step_inputs, to_device
 from pdserve.runners.proposer import DraftStep
 from pdserve.runners.rejection_sampler import DraftRows
 from pdserve.runners.sampler import SamplingRow
@@ -110,7 +110,7 @@ class ModelRunnerV1(ModelRunnerBase):
         sampling_rows = np.nonzero(seq_lens >= batch.num_tokens[:n])[0]
 
         def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device)
+            return to_device(a, self.device)
 
         inputs = build_step_inputs(
             to_dev(input_ids),

@@ -16,10 +16,10 @@ from pdserve.kernels import backend
 from pdserve.kernels.input_prep import prepare_inputs
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from pdserve.runners.base import ModelRunnerBase
-from pdserve.runners.inputs import StepInputs, step_inputs_from_prepared
+from pdserve.runners.inputs import StepInputs, step_inputs_from_prepared, to_device
 from pdserve.runners.sampler import SamplingRow
 from pdserve.runners.v2.cudagraph import CudaGraphModel, StaticInputs, batch_descriptors
-from pdserve.runners.v2.states import RequestStates, to_device
+from pdserve.runners.v2.states import RequestStates
 from pdserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)

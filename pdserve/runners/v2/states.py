@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pdserve.runners.inputs import to_device
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.output import NewRequestData
 
@@ -25,13 +26,6 @@ def copy_to_device(dst: torch.Tensor, values: Sequence[int] | np.ndarray) -> Non
         # allocator keeps the buffer until the copy has run, so the host may move on at once.
         src = src.pin_memory()
     dst.copy_(src, non_blocking=True)
-
-
-def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A device tensor of values, without a host sync on CUDA."""
-    if device.type != "cuda":
-        return torch.from_numpy(values)
-    return torch.from_numpy(values).pin_memory().to(device, non_blocking=True)
 
 
 class RequestStates:
