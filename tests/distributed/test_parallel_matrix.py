@@ -96,6 +96,8 @@ def test_layout_matches_hf(
         model=path,
         dtype="float32",
         max_model_len=256,
+        # Chunks: steps in which no request samples still pass activations between stages.
+        max_num_batched_tokens=32,
         max_num_seqs=8,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
@@ -103,6 +105,7 @@ def test_layout_matches_hf(
         async_scheduling=mode == "async",
     ) as llm:
         assert llm.config.scheduler_config.async_scheduling is (mode == "async")
-        prompts = make_prompts(llm.config.model_config.vocab_size)[::2]
+        # A shared prefix: later prompts start from cached blocks on every layout.
+        prompts = make_prompts(llm.config.model_config.vocab_size, shared_prefix=20)[::2]
         assert run(llm, prompts) == reference(path, prompts)
         assert_pool_full(llm)

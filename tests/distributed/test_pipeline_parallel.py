@@ -1,6 +1,6 @@
-"""Pipeline parallelism on the MultiprocExecutor (gloo on CPU): PP=2 and TP=2 x PP=2, whose
-greedy output must be HF's token for token with runner V1 and V2, through chunked prefill and
-preemption."""
+"""Pipeline parallelism on the MultiprocExecutor (gloo on CPU): a TP=2 x PP=2 executor's ranks,
+and PP=2's greedy output, HF's token for token with runner V1 and V2, through chunked prefill and
+preemption (TP=2 x PP=2's tokens: test_parallel_matrix.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pdserve.executor.multiproc import MultiprocExecutor
 from tests.unit.engine.test_correctness import assert_pool_full, make_prompts, reference, run
 
 RUNNERS = {"v1": "0", "v2": "1"}
-slow = pytest.mark.slow  # four processes on a small machine take a while
 
 
 def make_llm(path: str, tp: int, runner: str, **kwargs: int) -> LLM:
@@ -62,30 +61,15 @@ def test_executor_tp2_pp2(tiny_model: Callable[[str], str]) -> None:
         executor.shutdown()
 
 
-@pytest.mark.parametrize(
-    "arch,tp,runner",
-    [
-        ("llama", 1, "v1"),
-        ("llama", 1, "v2"),
-        ("qwen2_moe", 1, "v1"),
-        ("qwen2_moe", 1, "v2"),
-        pytest.param("qwen2_moe", 2, "v2", marks=slow),
-        pytest.param("qwen2_moe", 2, "v1", marks=slow),
-        pytest.param("llama", 2, "v1", marks=slow),
-        pytest.param("llama", 2, "v2", marks=slow),
-    ],
-    ids=lambda v: f"tp{v}xpp2" if isinstance(v, int) else v,
-)
+# TP=2 x PP=2 runs in test_parallel_matrix.py's cells, chunked the same way.
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("runner", list(RUNNERS))
 def test_greedy_matches_hf(
-    tiny_model: Callable[[str], str],
-    monkeypatch: pytest.MonkeyPatch,
-    arch: str,
-    tp: int,
-    runner: str,
+    tiny_model: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, arch: str, runner: str
 ) -> None:
     monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", RUNNERS[runner])
     path = tiny_model(arch)
-    with make_llm(path, tp, runner) as llm:
+    with make_llm(path, 1, runner) as llm:
         prompts = short_prompts(llm)
         assert run(llm, prompts) == reference(path, prompts)
         assert_pool_full(llm)

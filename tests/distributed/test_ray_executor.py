@@ -10,9 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pdserve import LLM
 from pdserve.config import EngineConfig
-from tests.unit.engine.test_correctness import make_prompts, reference, run
 
 if TYPE_CHECKING:
     from pdserve.executor.ray_executor import RayExecutor
@@ -163,23 +161,6 @@ def test_startup_failure_names_the_rank(ray_session, tiny_model, tmp_path):
         pg for pg_id, pg in ray_session.util.placement_group_table().items() if pg_id not in before
     ]
     assert [pg["state"] for pg in created] == ["REMOVED"]
-
-
-@pytest.mark.slow
-@needs_ray
-@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)], ids=["tp2", "tp2pp2"])
-def test_greedy_matches_hf(ray_session, tiny_model, tp, pp):
-    path = tiny_model("llama")
-    with LLM(
-        model=path,
-        distributed_executor_backend="ray",
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        dtype="float32",
-        max_model_len=256,
-    ) as llm:
-        prompts = make_prompts(llm.config.model_config.vocab_size, shared_prefix=20)
-        assert run(llm, prompts) == reference(path, prompts)
 
 
 def test_missing_ray_is_a_clear_error(monkeypatch, tiny_model):
