@@ -25,6 +25,7 @@ _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _PORT_TRIES = 64
 # Every port this process handed out: the launcher picks a dozen before any child binds one.
 _handed_out: set[int] = set()
+_handing_out = threading.Lock()  # servers started side by side ask from several threads
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,15 +50,16 @@ def get_open_port(host: str = "127.0.0.1") -> int:
     A random port below it is taken only by another caller of this function picking it too,
     and never twice by this process.
     """
-    ports = [p for p in _server_ports() if p not in _handed_out]
-    for port in random.SystemRandom().sample(ports, min(_PORT_TRIES, len(ports))):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            _handed_out.add(port)
-            return port
+    with _handing_out:
+        ports = [p for p in _server_ports() if p not in _handed_out]
+        for port in random.SystemRandom().sample(ports, min(_PORT_TRIES, len(ports))):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                _handed_out.add(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

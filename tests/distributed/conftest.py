@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.utils.pd import start_instance
-from tests.utils.server import RemoteServer
+from tests.utils.server import RemoteServer, start_together
 from tests.utils.tiny_models import hf_greedy
 
 
@@ -38,12 +38,13 @@ def background() -> Iterator[ThreadPoolExecutor]:
 @pytest.fixture(scope="session")
 def pd_instances(tiny_model: Callable[[str], str]) -> Iterator[dict[str, RemoteServer]]:
     """A prefill, a decode and a plain instance of the tiny llama, started once for the modules
-    that share them (test_proxy_paths.py, test_split_params.py): their tests send prompts of
-    their own and read the instances' counters as differences."""
+    that share them (test_proxy_paths.py, test_split_params.py, test_pd_split.py): their tests
+    send prompts of their own and read the instances' counters as differences."""
     model = tiny_model("llama")
-    with (
-        start_instance(model, "kv_producer") as p,
-        start_instance(model, "kv_consumer") as d,
-        RemoteServer(["serve", "--model", model, "--dtype", "float32"]) as plain,
-    ):
+    p, d, plain = start_together(
+        lambda: start_instance(model, "kv_producer"),
+        lambda: start_instance(model, "kv_consumer"),
+        lambda: RemoteServer(["serve", "--model", model, "--dtype", "float32"]),
+    )
+    with p, d, plain:
         yield {"prefill": p, "decode": d, "plain": plain}

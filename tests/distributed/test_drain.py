@@ -19,7 +19,7 @@ import pytest
 from tests.utils.faults import FaultPlan, rule
 from tests.utils.pd import greedy_body, prefill, start_instance
 from tests.utils.procs import wait_until_gone
-from tests.utils.server import RemoteServer
+from tests.utils.server import RemoteServer, start_together
 from tests.utils.tiny_models import hf_greedy
 
 MAX_TOKENS = 6
@@ -67,10 +67,11 @@ def test_sigterm_drains_then_exits(model: str) -> None:
 
 @pytest.mark.slow  # 30 s; the default stage drains a single instance (test_sigterm_drains_then_exits)
 def test_prefill_instance_keeps_held_kv_until_it_is_read(model: str) -> None:
-    with (
-        start_instance(model, "kv_producer") as p,
-        start_instance(model, "kv_consumer") as d,
-    ):
+    p, d = start_together(
+        lambda: start_instance(model, "kv_producer"),
+        lambda: start_instance(model, "kv_consumer"),
+    )
+    with p, d:
         prompt = list(range(20, 60))
         body = greedy_body(model, prompt, MAX_TOKENS)
         params = prefill(p, body)  # its blocks are held for the decode instance now
@@ -96,10 +97,11 @@ def test_decode_instance_drains_a_request_waiting_for_its_kv(model: str, tmp_pat
     does; the instance then exits 0, well before its drain timeout, and the prefill instance's
     blocks come back by the read, not by their lease."""
     plan = FaultPlan(tmp_path / "d")
-    with (
-        start_instance(model, "kv_producer") as p,
-        start_instance(model, "kv_consumer", env=plan.env, extra_args=DRAIN_60S) as d,
-    ):
+    p, d = start_together(
+        lambda: start_instance(model, "kv_producer"),
+        lambda: start_instance(model, "kv_consumer", env=plan.env, extra_args=DRAIN_60S),
+    )
+    with p, d:
         prompt = list(range(60, 100))
         body = greedy_body(model, prompt, MAX_TOKENS)
         params = prefill(p, body)
@@ -137,11 +139,12 @@ def test_rolling_restart_of_a_decode_instance_loses_no_request(model: str) -> No
     prompts = [[rng.randrange(3, 250) for _ in range(24)] for _ in range(6)]
     reference = hf_greedy(Path(model), prompts, MAX_TOKENS)
     num_requests = 120
-    with (
-        start_instance(model, "kv_producer") as p,
-        start_instance(model, "kv_consumer") as d1,
-        start_instance(model, "kv_consumer") as d2,
-    ):
+    p, d1, d2 = start_together(
+        lambda: start_instance(model, "kv_producer"),
+        lambda: start_instance(model, "kv_consumer"),
+        lambda: start_instance(model, "kv_consumer"),
+    )
+    with p, d1, d2:
         addresses = {s: s.url.removeprefix("http://") for s in (p, d1, d2)}
         args = ["proxy", "--prefill", addresses[p], "--decode", addresses[d1], addresses[d2]]
         args += ["--pd-min-uncached-tokens", "0"]  # both legs for every request

@@ -14,7 +14,7 @@ import pytest
 
 from tests.utils.faults import FaultPlan, rule
 from tests.utils.pd import greedy_body, prefill, start_instance
-from tests.utils.server import RemoteServer
+from tests.utils.server import start_together
 from tests.utils.tiny_models import hf_greedy
 
 BLOCK = 16
@@ -32,19 +32,12 @@ class Trio:
     def __init__(self, model: str, folder: Path) -> None:
         self.model = model
         self.plan = FaultPlan(folder)
-        self.servers: list[RemoteServer] = []
-        try:
-            self.p = self._start("kv_producer")
-            self.d = self._start("kv_consumer", env=self.plan.env)
-            self.d_v1 = self._start("kv_consumer", runner="0")
-        except BaseException:
-            self.stop()
-            raise
-
-    def _start(self, role: str, **kwargs: object) -> RemoteServer:
-        server = start_instance(self.model, role, **kwargs)  # type: ignore[arg-type]
-        self.servers.append(server)
-        return server
+        self.servers = start_together(
+            lambda: start_instance(model, "kv_producer"),
+            lambda: start_instance(model, "kv_consumer", env=self.plan.env),
+            lambda: start_instance(model, "kv_consumer", runner="0"),
+        )
+        self.p, self.d, self.d_v1 = self.servers
 
     def stop(self) -> list[int]:
         return [pid for s in self.servers for pid in s.stop()]

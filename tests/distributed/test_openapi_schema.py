@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.utils.pd import split_proxy, start_instance
-from tests.utils.server import RemoteServer
+from tests.utils.server import RemoteServer, start_together
 from tests.utils.venvs import console_script
 
 pytestmark = pytest.mark.slow
@@ -70,11 +70,11 @@ def test_server(tiny_model: Callable[[str], str]) -> None:
 @pytest.mark.timeout(1500)
 def test_proxy(tiny_model: Callable[[str], str]) -> None:
     model = tiny_model("llama")
-    with (
-        start_instance(model, "kv_producer", extra_args=ENGINE_ARGS[2:]) as p,
-        start_instance(model, "kv_consumer", extra_args=ENGINE_ARGS[2:]) as d,
-        split_proxy(p, d) as proxy,
-    ):
+    p, d = start_together(
+        lambda: start_instance(model, "kv_producer", extra_args=ENGINE_ARGS[2:]),
+        lambda: start_instance(model, "kv_consumer", extra_args=ENGINE_ARGS[2:]),
+    )
+    with p, d, split_proxy(p, d) as proxy:
         _fuzz(proxy.url)
         p.wait_pool_full(timeout=60)
         d.wait_pool_full(timeout=60)

@@ -30,7 +30,7 @@ from tests.utils.pd import (
     split_request,
     start_instance,
 )
-from tests.utils.server import RemoteServer, sigkill
+from tests.utils.server import RemoteServer, sigkill, start_together
 
 LEASE = 3  # seconds: heartbeats every 0.5 s
 P_BLOCKS, D_BLOCKS = 40, 32  # small pools: a test can fill one, or make a request queue
@@ -65,25 +65,23 @@ class Pair:
     def __init__(self, model: str, folder: Path) -> None:
         self.model = model
         self.p_plan, self.d_plan = FaultPlan(folder / "p"), FaultPlan(folder / "d")
-        self.p = start_instance(
-            model,
-            "kv_producer",
-            extra_args=["--num-gpu-blocks-override", str(P_BLOCKS)],
-            env=self.p_plan.env,
-            kv_lease_duration=LEASE,
-        )
-        try:
-            self.d = start_instance(
+        self.p, self.d = start_together(
+            lambda: start_instance(
+                model,
+                "kv_producer",
+                extra_args=["--num-gpu-blocks-override", str(P_BLOCKS)],
+                env=self.p_plan.env,
+                kv_lease_duration=LEASE,
+            ),
+            lambda: start_instance(
                 model,
                 "kv_consumer",
                 extra_args=["--num-gpu-blocks-override", str(D_BLOCKS)],
                 env=self.d_plan.env,
                 handshake_timeout=2,
                 transfer_timeout=3,
-            )
-        except BaseException:
-            self.p.stop()
-            raise
+            ),
+        )
 
     def body(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
         return greedy_body(self.model, prompt, max_tokens)

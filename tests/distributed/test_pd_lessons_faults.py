@@ -13,6 +13,7 @@ import pytest
 
 from tests.utils.faults import FaultPlan, rule
 from tests.utils.pd import prefill, split_request, start_instance
+from tests.utils.server import start_together
 from tests.utils.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -48,12 +49,10 @@ def test_one_failed_read_under_heterogeneous_tp_ends_the_request_once(
     and are freed once: the pool is exactly full and the next request is HF-exact."""
     model = tiny_model("llama")
     plan = FaultPlan(tmp_path / "plan")
-    p = start_instance(model, "kv_producer", tp=prefill_tp, kv_lease_duration=LEASE)
-    try:
-        d = start_instance(model, "kv_consumer", tp=decode_tp, env=plan.env)
-    except BaseException:
-        p.stop()
-        raise
+    p, d = start_together(
+        lambda: start_instance(model, "kv_producer", tp=prefill_tp, kv_lease_duration=LEASE),
+        lambda: start_instance(model, "kv_consumer", tp=decode_tp, env=plan.env),
+    )
     try:
         params = prefill(p, _body(model, PROMPT))
         remote_id = params["remote_request_id"]

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.utils.pd import greedy_body, split_proxy, start_instance
-from tests.utils.server import RemoteServer
+from tests.utils.server import start_together
 from tests.utils.tiny_models import hf_greedy
 
 MAX_TOKENS = 10
@@ -25,8 +25,8 @@ PUSH = "NixlPushConnector"
 CASES = [
     # (model, transport, prefill instances, decode instances, prefill TP, decode TP). Slow as the
     # rest (30 s and more each): the default stage runs push mode on the connector's real halves
-    # over both transports (tests/unit/kv_connector/test_push_lifecycle.py).
-    pytest.param("llama", "nixl", 1, 1, 1, 1, id="nixl-1to1", marks=pytest.mark.slow),
+    # over both transports (tests/unit/kv_connector/test_push_lifecycle.py). Each layout once,
+    # the transports alternating (test_pd_push_faults.py pushes 1 -> 1 over NIXL too).
     pytest.param("llama", "ucx", 1, 1, 1, 1, id="ucx-1to1", marks=pytest.mark.slow),
     pytest.param("llama", "nixl", 1, 2, 1, 1, id="nixl-1to2", marks=pytest.mark.slow),
     pytest.param("llama", "ucx", 2, 1, 1, 1, id="ucx-2to1", marks=pytest.mark.slow),
@@ -55,18 +55,18 @@ def test_push_through_proxy_matches_hf(
     decode_tp: int,
 ) -> None:
     model = tiny_model(arch)
-    servers: list[RemoteServer] = []
-    try:
-        prefills = [
-            start_instance(model, "kv_producer", transport, prefill_tp, connector=PUSH)
+    servers = start_together(
+        *[
+            lambda: start_instance(model, "kv_producer", transport, prefill_tp, connector=PUSH)
             for _ in range(num_prefill)
-        ]
-        servers += prefills
-        decodes = [
-            start_instance(model, "kv_consumer", transport, decode_tp, connector=PUSH)
+        ],
+        *[
+            lambda: start_instance(model, "kv_consumer", transport, decode_tp, connector=PUSH)
             for _ in range(num_decode)
-        ]
-        servers += decodes
+        ],
+    )
+    prefills, decodes = servers[:num_prefill], servers[num_prefill:]
+    try:
         proxy = split_proxy(prefills, decodes, "--kv-mode", "push")
         servers.append(proxy)
         client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x")

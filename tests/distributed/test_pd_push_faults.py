@@ -23,7 +23,7 @@ import pytest
 from tests.utils.faults import FaultPlan, rule, without_faults
 from tests.utils.headers import check_hostile_headers
 from tests.utils.pd import greedy_body, post_and_hang_up_later, split_proxy, start_instance
-from tests.utils.server import RemoteServer, sigkill
+from tests.utils.server import RemoteServer, sigkill, start_together
 
 # 70 s here: the default stage runs the same paths on the connector's real halves over both
 # transports (tests/unit/kv_connector/test_push_lifecycle.py).
@@ -53,21 +53,21 @@ class Pair:
     def __init__(self, model: str, folder: Path) -> None:
         self.model = model
         self.p_plan, self.d_plan = FaultPlan(folder / "p"), FaultPlan(folder / "d")
-        self.p = push_prefill(
-            model,
-            # No logprobs on the prefill instance (the decode instance allows 20): a request
-            # asking for them is one the prefill hop refuses and the decode hop accepts. One
-            # request in flight: a second is a prefill hop that fails (503).
-            extra_args=[
-                *("--num-gpu-blocks-override", str(P_BLOCKS), "--max-logprobs", "0"),
-                *("--max-pending-requests", "1"),
-            ],
-            env=self.p_plan.env,
-            kv_lease_duration=LEASE,
-            transfer_timeout=3,
-        )
-        try:
-            self.d = start_instance(
+        self.p, self.d = start_together(
+            lambda: push_prefill(
+                model,
+                # No logprobs on the prefill instance (the decode instance allows 20): a request
+                # asking for them is one the prefill hop refuses and the decode hop accepts. One
+                # request in flight: a second is a prefill hop that fails (503).
+                extra_args=[
+                    *("--num-gpu-blocks-override", str(P_BLOCKS), "--max-logprobs", "0"),
+                    *("--max-pending-requests", "1"),
+                ],
+                env=self.p_plan.env,
+                kv_lease_duration=LEASE,
+                transfer_timeout=3,
+            ),
+            lambda: start_instance(
                 model,
                 "kv_consumer",
                 extra_args=["--num-gpu-blocks-override", str(D_BLOCKS)],
@@ -76,10 +76,8 @@ class Pair:
                 handshake_timeout=2,
                 transfer_timeout=3,
                 kv_lease_duration=LEASE,
-            )
-        except BaseException:
-            self.p.stop()
-            raise
+            ),
+        )
 
     def body(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
         return greedy_body(self.model, prompt, max_tokens)

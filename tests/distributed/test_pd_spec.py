@@ -17,7 +17,7 @@ import pytest
 
 from tests.unit.engine.test_spec_decode import NGRAM, copy_heavy_prompts, draft_model
 from tests.utils.pd import greedy_body, split_proxy, start_instance
-from tests.utils.server import RemoteServer
+from tests.utils.server import RemoteServer, start_together
 from tests.utils.tiny_models import VOCAB_SIZE, hf_greedy
 
 MAX_TOKENS = 24
@@ -39,17 +39,18 @@ def test_speculation_on_the_decode_instance_matches_a_single_instance(tiny_model
     spec = ["--speculative-config", json.dumps(config)]
     # The n-gram split pulls, the draft model's pushes.
     connector = "NixlConnector" if method == "ngram" else "NixlPushConnector"
-    servers: list[RemoteServer] = []
-    try:
-        single = RemoteServer(["serve", "--model", model, "--dtype", "float32", *spec], env=V1)
-        servers.append(single)
-        prefill_args = [] if method == "ngram" else spec
-        p = start_instance(
+    prefill_args = [] if method == "ngram" else spec
+    servers = start_together(
+        lambda: RemoteServer(["serve", "--model", model, "--dtype", "float32", *spec], env=V1),
+        lambda: start_instance(
             model, "kv_producer", runner="0", extra_args=prefill_args, connector=connector
-        )
-        servers.append(p)
-        d = start_instance(model, "kv_consumer", runner="0", extra_args=spec, connector=connector)
-        servers.append(d)
+        ),
+        lambda: start_instance(
+            model, "kv_consumer", runner="0", extra_args=spec, connector=connector
+        ),
+    )
+    single, p, d = servers
+    try:
         proxy = split_proxy(p, d, *([] if method == "ngram" else ["--kv-mode", "push"]))
         servers.append(proxy)
         for server in (single, proxy):

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.config import ModelConfig
 from tests.utils.pd import greedy_body, prefill, split_request, start_instance
-from tests.utils.server import RemoteServer
+from tests.utils.server import RemoteServer, start_together
 from tests.utils.tiny_models import hf_greedy
 
 MAX_TOKENS = 12
@@ -30,7 +30,8 @@ CASES = [
     # Slow as the rest: a split is token-exact against HF in the default suite through
     # test_first_token.py (both runners), test_proxy.py (pdserve launch), test_proxy_paths.py.
     # Every pair of transport, TP layout and runner once (all-pairs), for llama (a key and a
-    # value per KV head) and DeepSeek-V2 (MLA: one latent per token, the same on every rank).
+    # value per KV head) and DeepSeek-V2 (MLA: one latent per token, the same on every rank;
+    # its layouts that split or gather ranks, with each transport and runner).
     pytest.param("llama", "nixl", 1, 1, "1", id="llama-nixl-tp1-tp1-v2", marks=pytest.mark.slow),
     pytest.param("llama", "ucx", 1, 1, "0", id="llama-ucx-tp1-tp1-v1", marks=pytest.mark.slow),
     pytest.param("llama", "nixl", 1, 2, "1", id="llama-nixl-tp1-tp2-v2", marks=pytest.mark.slow),
@@ -42,7 +43,6 @@ CASES = [
     pytest.param(
         "granitemoe", "ucx", 1, 1, "0", id="granite-ucx-tp1-tp1-v1", marks=pytest.mark.slow
     ),
-    pytest.param("deepseek_v2", "ucx", 1, 1, "1", id="mla-ucx-tp1-tp1-v2", marks=pytest.mark.slow),
     pytest.param(
         "deepseek_v2", "nixl", 1, 2, "0", id="mla-nixl-tp1-tp2-v1", marks=pytest.mark.slow
     ),
@@ -76,12 +76,12 @@ def test_split_matches_reference(
     runner: str,
 ) -> None:
     model = tiny_model(arch)
-    servers = []
+    servers = start_together(
+        lambda: start_instance(model, "kv_producer", transport, prefill_tp, runner),
+        lambda: start_instance(model, "kv_consumer", transport, decode_tp, runner),
+    )
+    p, d = servers
     try:
-        p = start_instance(model, "kv_producer", transport, prefill_tp, runner)
-        servers.append(p)
-        d = start_instance(model, "kv_consumer", transport, decode_tp, runner)
-        servers.append(d)
         bytes_read = []
         for prompt, expected in zip(PROMPTS, reference(arch)):
             before = d.metric("kv_transfer_bytes_total")
@@ -119,127 +119,117 @@ def test_split_matches_reference(
             assert server.stop() == [], "processes left behind"
 
 
-# Slow: the default suite streams through the split in test_proxy.py and test_first_token.py.
-@pytest.mark.slow
+# On the instances the default suite shares (tests/distributed/conftest.py): no start of its own.
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
-def test_chat_and_streaming_through_split(tiny_model: Callable[[str], str], endpoint: str) -> None:
+def test_chat_and_streaming_through_split(
+    tiny_model: Callable[[str], str], pd_instances: dict[str, RemoteServer], endpoint: str
+) -> None:
     model = tiny_model("llama")
-    p = start_instance(model, "kv_producer")
-    d = start_instance(model, "kv_consumer")
-    try:
-        if endpoint == "completions":
-            body = {
-                "model": model,
-                "prompt": "the quick brown fox",
-                "max_tokens": 10,
-                "temperature": 0,
-            }
-        else:
-            body = {
-                "model": model,
-                "messages": [{"role": "user", "content": "hi there"}],
-                "max_tokens": 10,
-                "temperature": 0,
-            }
-        single = d.client()
-        direct = (
-            single.completions.create(**body)
-            if endpoint == "completions"
-            else single.chat.completions.create(**body)
-        )
-        expected = (
-            direct.choices[0].text
-            if endpoint == "completions"
-            else direct.choices[0].message.content
-        )
-        resp = split_request(p, d, body, endpoint)
-        assert resp.status_code == 200, resp.text
-        choice = resp.json()["choices"][0]
-        assert (
-            choice["text"] if endpoint == "completions" else choice["message"]["content"]
-        ) == expected
-        streamed = split_request(p, d, {**body, "stream": True}, endpoint)
-        chunks = [
-            json.loads(line[6:])
-            for line in streamed.text.splitlines()
-            if line.startswith("data: {")
-        ]
-        key = "text" if endpoint == "completions" else "delta"
-        parts = [c["choices"][0][key] for c in chunks if c["choices"]]
-        joined = "".join(x if isinstance(x, str) else x.get("content", "") for x in parts)
-        assert joined == expected
-        for server in (p, d):
-            server.wait_pool_full(timeout=30)
-    finally:
-        assert p.stop() == [] and d.stop() == []
+    p, d = pd_instances["prefill"], pd_instances["decode"]
+    if endpoint == "completions":
+        body = {
+            "model": model,
+            "prompt": "the quick brown fox",
+            "max_tokens": 10,
+            "temperature": 0,
+        }
+    else:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi there"}],
+            "max_tokens": 10,
+            "temperature": 0,
+        }
+    single = d.client()
+    direct = (
+        single.completions.create(**body)
+        if endpoint == "completions"
+        else single.chat.completions.create(**body)
+    )
+    expected = (
+        direct.choices[0].text if endpoint == "completions" else direct.choices[0].message.content
+    )
+    resp = split_request(p, d, body, endpoint)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert (
+        choice["text"] if endpoint == "completions" else choice["message"]["content"]
+    ) == expected
+    streamed = split_request(p, d, {**body, "stream": True}, endpoint)
+    chunks = [
+        json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")
+    ]
+    key = "text" if endpoint == "completions" else "delta"
+    parts = [c["choices"][0][key] for c in chunks if c["choices"]]
+    joined = "".join(x if isinstance(x, str) else x.get("content", "") for x in parts)
+    assert joined == expected
+    for server in (p, d):
+        server.wait_pool_full(timeout=30)
 
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
-@pytest.mark.slow  # the default suite has the same rule through pdserve launch (test_proxy.py)
-def test_cached_tokens_through_split(tiny_model: Callable[[str], str]) -> None:
+def test_cached_tokens_through_split(
+    tiny_model: Callable[[str], str], pd_instances: dict[str, RemoteServer]
+) -> None:
     """pd_lessons 17: the client of a split sees the prefill instance's prefix-cache hits and
     the decode instance's local ones, a token hit on both counted once; each instance's
     prompt_tokens_by_source add up to its prompts (40-token prompts: two full blocks)."""
     model = tiny_model("llama")
-    p = start_instance(model, "kv_producer")
-    d = start_instance(model, "kv_consumer")
-    try:
-        before = {
-            server: {s: server.metric("prompt_tokens_by_source_total", source=s) for s in SOURCES}
-            for server in (p, d)
-        }
-        prompts = {n: [(i * 11 + k) % 300 + 10 for i in range(40)] for k, n in enumerate("abce")}
-        num_prompt_tokens = {p: 0, d: 0}
+    p, d = pd_instances["prefill"], pd_instances["decode"]
+    before = {
+        server: {s: server.metric("prompt_tokens_by_source_total", source=s) for s in SOURCES}
+        for server in (p, d)
+    }
+    prompts = {n: [(i * 11 + k) % 300 + 10 for i in range(40)] for k, n in enumerate("abce")}
+    num_prompt_tokens = {p: 0, d: 0}
 
-        def hop(name: str) -> dict:
-            body = greedy_body(model, prompts[name], 4)
-            num_prompt_tokens[p] += 40
-            num_prompt_tokens[d] += 40
-            return {**body, "kv_transfer_params": prefill(p, body)}
+    def hop(name: str) -> dict:
+        body = greedy_body(model, prompts[name], 4)
+        num_prompt_tokens[p] += 40
+        num_prompt_tokens[d] += 40
+        return {**body, "kv_transfer_params": prefill(p, body)}
 
-        def split(name: str) -> int:
-            resp = httpx.post(f"{d.url}/v1/completions", json=hop(name), timeout=120)
-            assert resp.status_code == 200, resp.text
-            return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    def split(name: str) -> int:
+        resp = httpx.post(f"{d.url}/v1/completions", json=hop(name), timeout=120)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-        def direct(server: RemoteServer, name: str) -> None:
-            body = greedy_body(model, prompts[name], 2)
-            resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
-            assert resp.status_code == 200, resp.text
-            num_prompt_tokens[server] += 40
+    def direct(server: RemoteServer, name: str) -> None:
+        body = greedy_body(model, prompts[name], 2)
+        resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        num_prompt_tokens[server] += 40
 
-        assert split("a") == 0  # nothing cached anywhere
-        assert split("a") == 32  # both instances hit the same two blocks: 32, not 64
-        direct(p, "b")
-        assert split("b") == 32  # only the prefill instance holds b: its hits reach the client
-        direct(d, "c")
-        assert split("c") == 32  # only the decode instance holds c
-        # Streamed, the usage chunk says the same (only the prefill instance holds e).
-        direct(p, "e")
-        body = hop("e")
-        params, ignore_eos = body.pop("kv_transfer_params"), body.pop("ignore_eos")
-        assert params["remote_cached_tokens"] == 32
-        chunks = list(
-            d.client().completions.create(
-                **body,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"kv_transfer_params": params, "ignore_eos": ignore_eos},
-            )
+    assert split("a") == 0  # nothing cached anywhere
+    assert split("a") == 32  # both instances hit the same two blocks: 32, not 64
+    direct(p, "b")
+    assert split("b") == 32  # only the prefill instance holds b: its hits reach the client
+    direct(d, "c")
+    assert split("c") == 32  # only the decode instance holds c
+    # Streamed, the usage chunk says the same (only the prefill instance holds e).
+    direct(p, "e")
+    body = hop("e")
+    params, ignore_eos = body.pop("kv_transfer_params"), body.pop("ignore_eos")
+    assert params["remote_cached_tokens"] == 32
+    chunks = list(
+        d.client().completions.create(
+            **body,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"kv_transfer_params": params, "ignore_eos": ignore_eos},
         )
-        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
 
-        # The prefill instance's own hits: a, b and e again; the decode instance's: a, then c.
-        for server, local_hits in ((p, 3 * 32), (d, 2 * 32)):
-            server.wait_pool_full(timeout=30)
-            delta = {
-                s: server.metric("prompt_tokens_by_source_total", source=s) - before[server][s]
-                for s in SOURCES
-            }
-            assert sum(delta.values()) == num_prompt_tokens[server]
-            assert delta["local_cache_hit"] == local_hits
-        assert delta["external_kv_transfer"] > 0
-    finally:
-        assert p.stop() == [] and d.stop() == []
+    # The prefill instance's own hits: a, b and e again; the decode instance's: a, then c.
+    for server, local_hits in ((p, 3 * 32), (d, 2 * 32)):
+        server.wait_pool_full(timeout=30)
+        delta = {
+            s: server.metric("prompt_tokens_by_source_total", source=s) - before[server][s]
+            for s in SOURCES
+        }
+        assert sum(delta.values()) == num_prompt_tokens[server]
+        assert delta["local_cache_hit"] == local_hits
+    assert delta["external_kv_transfer"] > 0

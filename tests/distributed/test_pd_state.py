@@ -16,7 +16,7 @@ import torch
 from pdserve.config import ModelConfig
 from pdserve.models.state_cache import slot_bytes
 from tests.utils.pd import greedy_body, prefill, split_proxy, split_request, start_instance
-from tests.utils.server import RemoteServer, sigkill
+from tests.utils.server import sigkill, start_together
 from tests.utils.tiny_models import hf_greedy
 
 MAX_TOKENS = 10
@@ -44,12 +44,12 @@ def test_state_pulled_through_split(tiny_model, arch: str, transport: str, tp: i
     """With TP 2 each decode rank reads its prefill rank's share of the state."""
     model = tiny_model(arch)
     expected = hf_greedy(Path(model), PROMPTS, MAX_TOKENS)
-    servers: list[RemoteServer] = []
+    servers = start_together(
+        lambda: start_instance(model, "kv_producer", transport, tp, runner="0", extra_args=ARGS),
+        lambda: start_instance(model, "kv_consumer", transport, tp, runner="0", extra_args=ARGS),
+    )
+    p, d = servers
     try:
-        p = start_instance(model, "kv_producer", transport, tp, runner="0", extra_args=ARGS)
-        servers.append(p)
-        d = start_instance(model, "kv_consumer", transport, tp, runner="0", extra_args=ARGS)
-        servers.append(d)
         moved = []
         for prompt, tokens in zip(PROMPTS, expected):
             before = d.metric("kv_transfer_bytes_total")
@@ -92,16 +92,16 @@ def test_state_pulled_through_split(tiny_model, arch: str, transport: str, tp: i
 def test_state_pushed_through_proxy(tiny_model, arch: str, transport: str) -> None:
     model = tiny_model(arch)
     expected = hf_greedy(Path(model), PROMPTS, MAX_TOKENS)
-    servers: list[RemoteServer] = []
-    try:
-        p = start_instance(
+    servers = start_together(
+        lambda: start_instance(
             model, "kv_producer", transport, runner="0", extra_args=ARGS, connector=PUSH
-        )
-        servers.append(p)
-        d = start_instance(
+        ),
+        lambda: start_instance(
             model, "kv_consumer", transport, runner="0", extra_args=ARGS, connector=PUSH
-        )
-        servers.append(d)
+        ),
+    )
+    p, d = servers
+    try:
         proxy = split_proxy(p, d, "--kv-mode", "push")
         servers.append(proxy)
         for prompt, tokens in zip(PROMPTS, expected):

@@ -19,7 +19,7 @@ import pytest
 
 from pdserve.utils import get_open_port
 from tests.utils.pd import greedy_body, start_instance, wait_all_pools_full
-from tests.utils.server import RemoteServer, descendants
+from tests.utils.server import RemoteServer, descendants, start_together
 from tests.utils.tiny_models import hf_greedy
 
 # Four instances that publish KV events (about 50 s to start on 2 cores) and a proxy: the
@@ -49,12 +49,13 @@ def model(tiny_model: Callable[[str], str]) -> str:
 
 @pytest.fixture(scope="module")
 def instances(model: str) -> Iterator[dict[str, list[RemoteServer]]]:
-    with (
-        start_instance(model, "kv_producer", extra_args=events_config()) as p1,
-        start_instance(model, "kv_producer", extra_args=events_config()) as p2,
-        start_instance(model, "kv_consumer", extra_args=events_config()) as d1,
-        start_instance(model, "kv_consumer", extra_args=events_config()) as d2,
-    ):
+    p1, p2, d1, d2 = start_together(
+        lambda: start_instance(model, "kv_producer", extra_args=events_config()),
+        lambda: start_instance(model, "kv_producer", extra_args=events_config()),
+        lambda: start_instance(model, "kv_consumer", extra_args=events_config()),
+        lambda: start_instance(model, "kv_consumer", extra_args=events_config()),
+    )
+    with p1, p2, d1, d2:
         yield {"prefill": [p1, p2], "decode": [d1, d2]}
 
 
@@ -181,12 +182,13 @@ def test_strict_pd_never_skips_the_prefill_leg(
 def test_a_dead_instance_s_leg_is_retried_on_another(model: str) -> None:
     """Prefill and decode legs alike: the instance the router chose is gone (killed between
     legs of earlier requests), the leg goes to the other one, and the client sees nothing."""
-    with (
-        start_instance(model, "kv_producer") as p1,
-        start_instance(model, "kv_producer") as p2,
-        start_instance(model, "kv_consumer") as d1,
-        start_instance(model, "kv_consumer") as d2,
-    ):
+    p1, p2, d1, d2 = start_together(
+        lambda: start_instance(model, "kv_producer"),
+        lambda: start_instance(model, "kv_producer"),
+        lambda: start_instance(model, "kv_consumer"),
+        lambda: start_instance(model, "kv_consumer"),
+    )
+    with p1, p2, d1, d2:
         args = ["proxy", "--model", model, "--pd-min-uncached-tokens", "0"]
         for role, pair in (("prefill", (p1, p2)), ("decode", (d1, d2))):
             args += [f"--{role}", *(s.url.removeprefix("http://") for s in pair)]

@@ -23,7 +23,7 @@ import pytest
 
 from pdserve.models.loader import default_model_path
 from tests.utils.pd import split_proxy, start_instance
-from tests.utils.server import RemoteServer
+from tests.utils.server import RemoteServer, start_together
 
 # Four default-model servers and 49 requests of up to 120 tokens: 2+ minutes on 2 cores. The
 # default stage keeps the engine-level tests (tests/unit/engine/test_structured_outputs.py,
@@ -79,10 +79,15 @@ FORCED_CALL = (
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, Any]]:
     model = str(default_model_path())
+    plain, p, d = start_together(
+        lambda: RemoteServer(["serve", model, "--dtype", "float32", *TOOL_FLAGS]),
+        lambda: start_instance(model, "kv_producer", extra_args=TOOL_FLAGS),
+        lambda: start_instance(model, "kv_consumer", extra_args=TOOL_FLAGS),
+    )
     with (
-        RemoteServer(["serve", model, "--dtype", "float32", *TOOL_FLAGS]) as plain,
-        start_instance(model, "kv_producer", extra_args=TOOL_FLAGS) as p,
-        start_instance(model, "kv_consumer", extra_args=TOOL_FLAGS) as d,
+        plain,
+        p,
+        d,
         split_proxy(p, d) as proxy,
     ):
         yield {"model": model, "plain": plain, "proxy": proxy, "decode": d}

@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.utils import get_open_port
 from tests.utils.pd import greedy_body, start_instance
-from tests.utils.server import RemoteServer
+from tests.utils.server import RemoteServer, start_together
 from tests.utils.tiny_models import hf_greedy
 from tests.utils.vllm_router import Router
 
@@ -40,11 +40,12 @@ def deployment(model: str) -> Iterator[dict[str, list]]:
         config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}
         return ["--kv-events-config", json.dumps(config), "--block-size", str(BLOCK)]
 
-    with (
-        start_instance(model, "kv_producer", extra_args=events(ports[0])) as p1,
-        start_instance(model, "kv_producer", extra_args=events(ports[1])) as p2,
-        start_instance(model, "kv_consumer", extra_args=["--block-size", str(BLOCK)]) as d,
-    ):
+    p1, p2, d = start_together(
+        lambda: start_instance(model, "kv_producer", extra_args=events(ports[0])),
+        lambda: start_instance(model, "kv_producer", extra_args=events(ports[1])),
+        lambda: start_instance(model, "kv_consumer", extra_args=["--block-size", str(BLOCK)]),
+    )
+    with p1, p2, d:
         yield {"prefill": [p1, p2], "decode": [d], "event_ports": ports}
 
 
