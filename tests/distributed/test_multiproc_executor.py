@@ -28,7 +28,8 @@ def make_executor(path: str, tp: int) -> MultiprocExecutor:
     return MultiprocExecutor(config)
 
 
-@pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
+# Module-scoped: its tests only call the workers and leave them healthy.
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def executor(request, tiny_model):
     executor = make_executor(tiny_model("llama"), request.param)
     yield executor
