@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from spec_decode import EAGLE_HEAD  # noqa: E402
 from vs_vllm import DEFAULT_CACHE_DIR, resolve_model  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
@@ -94,7 +95,7 @@ def build_head(target: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linea
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--output", type=Path, default=DEFAULT_CACHE_DIR / "eagle-smollm2")
+    parser.add_argument("--output", type=Path, default=EAGLE_HEAD)
     parser.add_argument("--tokens", type=int, default=256, help="generated per prompt")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--lr", type=float, default=5e-4)

@@ -123,4 +123,5 @@ def back_off(request: Request, num_accepted: int) -> None:
         request.draft_misses = 0
         return
     request.draft_pause = min(1 << request.draft_misses, MAX_DRAFT_PAUSE)
-    request.draft_misses += 1
+    # Counted only as far as the longest pause: a long run of misses keeps a small shift.
+    request.draft_misses = min(request.draft_misses + 1, MAX_DRAFT_PAUSE.bit_length() - 1)
