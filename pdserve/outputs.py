@@ -61,6 +61,7 @@ class ModelRunnerOutput:
         "kv_connector_output",
         "prompt_logprobs_dict",
         "draft_token_ids",
+        "num_filled_drafts",
         "_index",
     )
 
@@ -72,6 +73,7 @@ class ModelRunnerOutput:
         kv_connector_output: KVConnectorOutput | None = None,
         prompt_logprobs_dict: dict[str, LogprobsLists] | None = None,
         draft_token_ids: dict[str, list[int]] | None = None,
+        num_filled_drafts: dict[str, int] | None = None,
         *,
         req_id_to_index: dict[str, int] | None = None,  # when the caller has it already
     ) -> None:
@@ -82,6 +84,9 @@ class ModelRunnerOutput:
         self.prompt_logprobs_dict = prompt_logprobs_dict
         # A draft model's guesses for each request's next step (speculative decoding).
         self.draft_token_ids = draft_token_ids
+        # Async scheduling: how many of the draft slots scheduled as placeholders the runner
+        # filled with guesses, per request (the rest it left out of the verification).
+        self.num_filled_drafts = num_filled_drafts
         self._index = req_id_to_index
 
     def with_kv_connector_output(self, kv: KVConnectorOutput) -> ModelRunnerOutput:
@@ -94,6 +99,7 @@ class ModelRunnerOutput:
             kv,
             self.prompt_logprobs_dict,
             self.draft_token_ids,
+            self.num_filled_drafts,
             req_id_to_index=self._index,
         )
 
@@ -113,6 +119,7 @@ class ModelRunnerOutput:
             and self.kv_connector_output == other.kv_connector_output
             and self.prompt_logprobs_dict == other.prompt_logprobs_dict
             and self.draft_token_ids == other.draft_token_ids
+            and self.num_filled_drafts == other.num_filled_drafts
         )
 
     def __repr__(self) -> str:

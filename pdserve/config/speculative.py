@@ -83,21 +83,13 @@ class SpeculativeConfig:
 
     def check_engine(self, model: Any, sched: Any, parallel: Any) -> None:
         """What speculation runs with so far (ModelConfig, SchedulerConfig, ParallelConfig):
-        the n-gram method on one pipeline stage, steps scheduled one at a time (async
-        scheduling, unset, turns off), models without recurrent state."""
+        one pipeline stage, models without recurrent state."""
         if self.method not in IMPLEMENTED:
             raise ValueError(
                 f"speculative_config.method={self.method!r}: pdserve runs "
                 f"{', '.join(map(repr, IMPLEMENTED))} so far; the EAGLE-3 and MTP drafters are "
                 "not built yet."
             )
-        if sched.async_scheduling:
-            raise ValueError(
-                "speculative_config with async_scheduling: a step's drafts follow the tokens "
-                "the previous step accepted, so steps are scheduled one at a time; leave "
-                "async_scheduling unset or false."
-            )
-        sched.async_scheduling = False
         if parallel.pipeline_parallel_size > 1:
             raise ValueError(
                 "speculative_config with pipeline_parallel_size > 1 is not supported yet: the "

@@ -66,6 +66,7 @@ class ModelRunnerOutputWire(msgspec.Struct, array_like=True, omit_defaults=True)
     kv_connector_output: KVConnectorOutput | None = None
     prompt_logprobs_dict: dict[str, LogprobsLists] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
+    num_filled_drafts: dict[str, int] | None = None
 
 
 def _scheduled_ids(call_args: tuple[Any, ...]) -> list[str] | None:
@@ -86,6 +87,7 @@ def model_runner_output_to_wire(
         output.kv_connector_output,
         output.prompt_logprobs_dict,
         output.draft_token_ids,
+        output.num_filled_drafts,
     )
     scheduled = _scheduled_ids(call_args)
     if scheduled is None:
@@ -117,6 +119,7 @@ def model_runner_output_from_wire(
         wire.kv_connector_output,
         wire.prompt_logprobs_dict,
         wire.draft_token_ids,
+        wire.num_filled_drafts,
     )
 
 

@@ -256,6 +256,7 @@ class ModelRunnerBase:
         logprobs: LogprobsLists | None,
         sampling_req_ids: list[str],
         draft_token_ids: dict[str, list[int]] | None = None,
+        num_filled_drafts: dict[str, int] | None = None,
     ) -> ModelRunnerOutput:
         """Rows in batch order; requests still in a chunked prefill get no token. The requests
         that sampled their first token get their prompt logprobs, if they are owed them."""
@@ -270,6 +271,7 @@ class ModelRunnerBase:
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
             draft_token_ids=draft_token_ids,
+            num_filled_drafts=num_filled_drafts,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -22,21 +22,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from pdserve.config.speculative import SpeculativeConfig
 from pdserve.outputs import ModelRunnerOutput
 from pdserve.request import Request
+from pdserve.scheduler.output import DRAFT_PLACEHOLDER
 from pdserve.scheduler.stats import SpecDecodingStats
 
 
-def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+def propose_ngram(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
     `tokens` between min_n and max_n tokens long; [] where no suffix occurred before."""
+    tokens = np.asarray(tokens)
     length = len(tokens)
+    if length < 2:
+        return []
+    # Every earlier occurrence of a suffix ends on an earlier occurrence of the last token.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = list(tokens[length - n :])
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start] == suffix[0] and list(tokens[start : start + n]) == suffix:
-                return list(tokens[start + n : start + n + k])
+        candidates = ends[ends >= n - 1]
+        windows = tokens[candidates[:, None] - np.arange(n - 1, -1, -1)]
+        hits = candidates[(windows == tokens[length - n :]).all(axis=1)]
+        if hits.size:
+            start = int(hits[-1]) + 1
+            return tokens[start : start + k].tolist()
     return []
 
 
@@ -51,16 +61,20 @@ class Drafter:
         # A draft model writes its guesses' KV ahead of the tokens it is given: k slots.
         self.num_lookahead_tokens = 0 if config.method == "ngram" else self.k
 
-    def propose(self, request: Request, room: int) -> list[int]:
+    def propose(self, request: Request, room: int, num_tokens: int) -> list[int]:
         """At most `room` drafts (the step's budget), and no more than max_tokens and
-        max_model_len leave room for after the next token."""
+        max_model_len leave room for after the next token; `num_tokens`: the request's
+        tokens, those its steps in flight may sample counted. With a step in flight, slots
+        for the runner to fill (DRAFT_PLACEHOLDER): only it knows that step's tokens."""
         proposed, request.spec_token_ids = request.spec_token_ids, []  # each used once
         if request.draft_pause:
             request.draft_pause -= 1
             return []
-        k = min(self.k, room, request.max_num_tokens - request.num_tokens - 1)
+        k = min(self.k, room, request.max_num_tokens - num_tokens - 1)
         if k <= 0 or not _takes_drafts(request):
             return []
+        if request.num_output_placeholders:
+            return [DRAFT_PLACEHOLDER] * k
         if self.config.method == "ngram":
             low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
             assert low is not None and high is not None
@@ -95,18 +109,22 @@ def roll_back_rejected(
     stats: SpecDecodingStats,
 ) -> None:
     """The drafts the runner rejected no longer count as computed: a request's step returns
-    its accepted drafts and one token more."""
+    its accepted drafts and one token more. Of placeholder slots, only those the runner
+    filled count as drafts."""
     index = model_runner_output.req_id_to_index
+    filled = model_runner_output.num_filled_drafts or {}
     for req_id, drafts in spec_token_ids.items():
         request, row = requests.get(req_id), index.get(req_id)
-        if request is None:
-            continue
-        request.num_draft_tokens = 0
+        if request is None or request.is_finished() or request.num_async_tokens_to_discard:
+            continue  # the step's tokens are dropped (preempted since: its count restarted)
+        request.num_draft_tokens -= len(drafts)
         if row is None:
             continue
         num_accepted = len(model_runner_output.sampled_token_ids[row]) - 1
         request.num_computed_tokens -= len(drafts) - num_accepted
-        stats.observe(len(drafts), num_accepted)
+        num_drafts = filled.get(req_id, len(drafts))
+        if num_drafts:
+            stats.observe(num_drafts, num_accepted)
         back_off(request, num_accepted)
 
 

@@ -70,6 +70,9 @@ class GrammarBitmask(msgspec.Struct, array_like=True):
     bitmask: bytes
 
 
+DRAFT_PLACEHOLDER = -1
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -82,6 +85,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     kv_connector_metadata: bytes | None = None
     grammar_bitmask: GrammarBitmask | None = None
     # Speculative decoding: each request's drafts, scheduled after its next token (vLLM's name).
+    # A request with a step in flight (async scheduling) gets DRAFT_PLACEHOLDER slots: its
+    # runner, which knows that step's tokens, fills them.
     scheduled_spec_decode_tokens: dict[str, list[int]] | None = None
 
     @classmethod

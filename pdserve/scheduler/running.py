@@ -56,8 +56,9 @@ def schedule_running(
             continue
         num_tokens = request.num_tokens
         if num_placeholders := request.num_output_placeholders:
-            # Placeholders count as tokens: the runner feeds the one it sampled itself.
-            num_tokens += num_placeholders
+            # Placeholders count as tokens: the runner feeds the one it sampled itself. So do
+            # the drafts in flight, as if all were accepted (their step rolls back the rest).
+            num_tokens += num_placeholders + request.num_draft_tokens
             if num_tokens >= request.max_num_tokens:
                 # The steps in flight already sample the last token the request may have.
                 continue
@@ -70,8 +71,8 @@ def schedule_running(
         # sampling past it (a prompt of max_model_len tokens is computed whole, then ends).
         num_new_tokens = num_tokens - request.num_computed_tokens
         drafts = None
-        if drafter is not None and num_new_tokens == 1 and not num_placeholders:
-            drafts = drafter.propose(request, token_budget - 1)
+        if drafter is not None and num_new_tokens == 1:
+            drafts = drafter.propose(request, token_budget - 1, num_tokens)
             num_new_tokens += len(drafts)
             num_tokens += len(drafts)
         if num_new_tokens > token_budget:
@@ -89,8 +90,7 @@ def schedule_running(
                     # Already scheduled this step: it gives its tokens back.
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     new_block_ids.pop(victim.request_id, None)
-                    if spec_token_ids.pop(victim.request_id, None):
-                        victim.num_draft_tokens = 0
+                    spec_token_ids.pop(victim.request_id, None)
                     positions_moved = True
                 preempt(victim)
                 preempted = True
@@ -107,7 +107,7 @@ def schedule_running(
         token_budget -= num_new_tokens
         if drafts:
             spec_token_ids[request.request_id] = drafts
-            request.num_draft_tokens = len(drafts)
+            request.num_draft_tokens += len(drafts)
     if positions_moved:  # a victim left num_scheduled_tokens: the rows after it moved up
         rows = {req_id: i for i, req_id in enumerate(num_scheduled_tokens)}
         new_block_ids = {r: (rows[r], ids) for r, (_, ids) in new_block_ids.items()}

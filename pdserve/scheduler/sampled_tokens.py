@@ -81,7 +81,9 @@ def apply_sampled_tokens(
             # Blocks of tokens known only now: schedule() cached every known token, so only a
             # step that had others in flight can have left some; those the steps still in
             # flight sample wait. Without prefix caching the boundary is never reached.
-            num_known_computed = request.num_computed_tokens - num_placeholders
+            num_known_computed = (
+                request.num_computed_tokens - num_placeholders - request.num_draft_tokens
+            )
             if num_known_computed >= request.next_kv_boundary:
                 kv_cache_manager.cache_blocks(request, num_known_computed)
         if ended:

@@ -220,6 +220,7 @@ class Scheduler:
         # Async: it resumes from the tokens known now; its steps in flight sample for nothing.
         request.num_async_tokens_to_discard += request.num_output_placeholders
         request.num_output_placeholders = 0
+        request.num_draft_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)

@@ -8,6 +8,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from pdserve.runners.base import ModelRunnerBase
+from pdserve.runners.draft_slots import DraftSlots, num_valid_tokens
 from pdserve.runners.inputs import build_step_inputs, to_device
 from pdserve.runners.proposer import DraftStep
 from pdserve.runners.rejection_sampler import DraftRows
@@ -24,6 +25,8 @@ class ModelRunnerV1(ModelRunnerBase):
             self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req
         )
         self.logits_processors = self.model_config.logits_processors
+        spec = config.speculative_config
+        self.draft_slots = None if spec is None else DraftSlots(spec)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -54,9 +57,11 @@ class ModelRunnerV1(ModelRunnerBase):
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
             resumed = req_id in cached.resumed_req_ids
+            if resumed or self.draft_slots is None:
+                # With speculation the runner keeps the count (runners/draft_slots.py).
+                state.num_computed_tokens = cached.num_computed_tokens[i]
             if resumed:
                 state.block_ids = list(new_block_ids or [])
             elif new_block_ids:
@@ -91,10 +96,17 @@ class ModelRunnerV1(ModelRunnerBase):
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
         spec = so.scheduled_spec_decode_tokens or {}
-        for req_id, drafts in spec.items():  # scheduled after the request's known tokens
+        drafts, filled = {}, None
+        if spec:
+            assert self.draft_slots is not None
+            index = batch.req_id_to_index
+            drafts, filled = self.draft_slots.fill(
+                spec, lambda r: batch.token_ids[index[r], : batch.num_tokens[index[r]]]
+            )
+        for req_id, own in drafts.items():  # scheduled after the request's known tokens
             row = batch.req_id_to_index[req_id]
             start = batch.num_tokens[row]
-            batch.token_ids[row, start : start + len(drafts)] = drafts
+            batch.token_ids[row, start : start + len(own)] = own
         n = batch.num_reqs
         req_ids = list(batch.req_ids)
         num_scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
@@ -136,28 +148,36 @@ class ModelRunnerV1(ModelRunnerBase):
                 if (i := index.get(r)) is not None
             )
         grammar = None if so.grammar_bitmask is None else (so.grammar_bitmask, sampling_req_ids)
-        drafts = None
+        draft_rows = None
         if spec:
-            ends = cu_num_scheduled[sampling_rows].tolist()
-            drafts = DraftRows.build(spec, sampling_req_ids, ends)
-        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks, grammar, drafts)
+            # A request verifies its drafts and the token before them; unfilled slots follow.
+            ends = [
+                int(cu_num_scheduled[row]) - len(spec.get(r, ())) + len(drafts.get(r, ()))
+                for row, r in zip(sampling_rows.tolist(), sampling_req_ids)
+            ]
+            draft_rows = DraftRows.build(drafts, sampling_req_ids, ends)
+        sampled, logprobs = self.forward_and_sample(
+            inputs, rows, prompt_chunks, grammar, draft_rows
+        )
         tokens = dict(zip(sampling_req_ids, sampled))
         for row, req_id in zip(sampling_rows.tolist(), sampling_req_ids):
             self.requests[req_id].output_token_ids.extend(tokens[req_id])
             for token in tokens[req_id]:
                 batch.append_token(row, token)
+        num_valid = num_scheduled
+        if self.draft_slots is not None:
+            num_valid = num_valid_tokens(num_scheduled, batch.req_id_to_index, spec, tokens)
+            batch.num_computed_tokens[:n] += num_valid
+            for req_id, row_computed in zip(req_ids, batch.num_computed_tokens[:n].tolist()):
+                self.requests[req_id].num_computed_tokens = row_computed
         proposals = None
         if self.draft is not None:  # EAGLE reads every step, sampled or not
-            num_valid = num_scheduled.copy()  # less the rejected drafts
-            for req_id, own in spec.items():
-                row = batch.req_id_to_index[req_id]
-                num_valid[row] -= len(own) - (len(tokens[req_id]) - 1)
             proposals = self._propose(
                 DraftStep(
                     req_ids,
                     batch.token_ids[:n],
                     batch.num_tokens[:n].copy(),
-                    batch.num_computed_tokens[:n].copy(),
+                    batch.num_computed_tokens[:n] - num_valid,
                     num_valid,
                     cu_num_scheduled - num_scheduled,
                     batch.block_table[:n],
@@ -165,7 +185,10 @@ class ModelRunnerV1(ModelRunnerBase):
                     np.zeros(0, dtype=np.int64),
                 )
             )
-        return self.make_output(req_ids, tokens, logprobs, sampling_req_ids, proposals)
+            self.draft_slots.proposals = proposals
+        return self.make_output(
+            req_ids, tokens, logprobs, sampling_req_ids, proposals, filled or None
+        )
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         return SamplingRow(

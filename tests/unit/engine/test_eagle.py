@@ -17,7 +17,7 @@ from pdserve import LLM
 from pdserve.config import EngineConfig
 from pdserve.scheduler.scheduler import Scheduler
 from tests.unit.engine.test_correctness import assert_pool_full, reference, run
-from tests.unit.engine.test_spec_decode import copy_heavy_prompts
+from tests.unit.engine.test_spec_decode import ASYNC, copy_heavy_prompts, record_filled_drafts
 from tests.utils.tiny_models import load_hf_model, make_tiny_eagle_head, make_tiny_model
 
 K = 3
@@ -61,8 +61,8 @@ class ReferenceEagle:
 
 @pytest.mark.parametrize(
     "engine",
-    [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4}, {"num_gpu_blocks_override": 12}],
-    ids=["batched", "chunked", "preempting"],
+    [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4}, {"num_gpu_blocks_override": 12}, ASYNC],
+    ids=["batched", "chunked", "preempting", "async"],
 )
 def test_eagle_guesses_are_the_heads_and_tokens_the_targets(
     tiny_model, monkeypatch, tmp_path, engine
@@ -75,19 +75,22 @@ def test_eagle_guesses_are_the_heads_and_tokens_the_targets(
 
     def recording(self, scheduler_output, model_runner_output):  # type: ignore[no-untyped-def]
         outputs = update(self, scheduler_output, model_runner_output)
+        applied = {o.request_id for o in outputs}  # not the steps of requests preempted since
         for req_id, guesses in (model_runner_output.draft_token_ids or {}).items():
             request = self.requests.get(req_id)
-            if request is not None:
+            if request is not None and req_id in applied:
                 proposals.append((list(request.all_token_ids), guesses))
         return outputs
 
     monkeypatch.setattr(Scheduler, "update_from_output", recording)
+    filled = record_filled_drafts(monkeypatch)
     with LLM(
         model=path, dtype="float32", max_model_len=256, speculative_config=eagle(head), **engine
     ) as llm:
         prompts = copy_heavy_prompts(llm.config.model_config.vocab_size)
         assert run(llm, prompts) == reference(path, prompts)
         assert llm.engine_core.scheduler.spec_stats.num_drafts > 0
+        assert (sum(filled) > 0) is (engine is ASYNC)  # the runner's guesses in flight
         assert_pool_full(llm)
     ref = ReferenceEagle(path, head)
     assert len(proposals) > 20

@@ -19,6 +19,7 @@ from pdserve.config import EngineConfig
 from pdserve.config.speculative import SpeculativeConfig
 from pdserve.metrics import EngineMetrics
 from pdserve.sampling_params import StructuredOutputsParams
+from pdserve.scheduler import scheduler as scheduler_module
 from pdserve.scheduler.drafts import Drafter, back_off, propose_ngram
 from pdserve.scheduler.stats import SchedulerStats, SpecDecodingStats
 from tests.unit.engine.test_correctness import MAX_TOKENS, assert_pool_full, reference, run
@@ -29,6 +30,15 @@ NGRAM = {
     "num_speculative_tokens": 3,
     "prompt_lookup_min": 1,
     "prompt_lookup_max": 3,
+}
+
+# Async scheduling overlaps steps only with the workers in their own processes; chunked and
+# preempting too, so that a step in flight meets both.
+ASYNC = {
+    "distributed_executor_backend": "mp",
+    "max_num_batched_tokens": 16,
+    "max_num_seqs": 4,
+    "num_gpu_blocks_override": 12,
 }
 
 
@@ -50,16 +60,18 @@ def v1(monkeypatch: pytest.MonkeyPatch) -> None:
         {},
         {"max_num_batched_tokens": 16, "max_num_seqs": 4},  # chunked, drafts cut to the budget
         {"num_gpu_blocks_override": 12, "max_num_seqs": 5},  # preemption
+        ASYNC,
     ],
-    ids=["batched", "chunked", "preempting"],
+    ids=["batched", "chunked", "preempting", "async"],
 )
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_greedy_with_drafts_is_greedy(tiny_model, v1, engine, method) -> None:
+def test_greedy_with_drafts_is_greedy(tiny_model, v1, monkeypatch, engine, method) -> None:
     """The draft model is the target itself (a mechanics check): its guesses are the target's
     greedy tokens, so every draft is accepted, its KV kept right through chunks, preemption
-    and rollback."""
+    and rollback. Async: the runner fills the draft slots of requests with a step in flight."""
     path = tiny_model("llama")
     spec = NGRAM if method == "ngram" else draft_model(path)
+    filled = record_filled_drafts(monkeypatch)
     with LLM(
         model=path, dtype="float32", max_model_len=256, speculative_config=spec, **engine
     ) as llm:
@@ -70,7 +82,25 @@ def test_greedy_with_drafts_is_greedy(tiny_model, v1, engine, method) -> None:
         if method == "draft_model":
             assert stats.num_accepted_tokens == stats.num_draft_tokens
         assert len(stats.accepted_per_position) == 3
+        assert bool(filled) is (engine is ASYNC)
+        if engine is ASYNC:
+            assert llm.engine_core.scheduler.num_preemptions > 0
+            assert sum(filled) > 0  # guesses went into placeholder slots
         assert_pool_full(llm)
+
+
+def record_filled_drafts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many placeholder slots the runner filled, per request and step, as the scheduler
+    receives them."""
+    filled: list[int] = []
+    roll_back = scheduler_module.roll_back_rejected
+
+    def recording(spec, model_runner_output, requests, stats):  # type: ignore[no-untyped-def]
+        filled.extend((model_runner_output.num_filled_drafts or {}).values())
+        return roll_back(spec, model_runner_output, requests, stats)
+
+    monkeypatch.setattr(scheduler_module, "roll_back_rejected", recording)
+    return filled
 
 
 def test_drafts_and_their_grammar_rows_reach_tp_workers(tiny_model, v1) -> None:
@@ -207,7 +237,7 @@ def test_drafts_that_keep_missing_pause_drafting() -> None:
         back_off(request, 0)
         pauses.append(request.draft_pause)
         for _ in range(request.draft_pause):
-            assert drafter.propose(request, 8) == []  # paused: not even looked up
+            assert drafter.propose(request, 8, 0) == []  # paused: not even looked up
         assert request.draft_pause == 0
     assert pauses == [1, 2, 4, 8, 16, 16, 16]
     back_off(request, 2)
@@ -269,7 +299,7 @@ def test_ngram_defaults_and_runner_rule(tiny_model, monkeypatch, caplog) -> None
     spec = config.speculative_config
     assert (spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 5, 5)
     assert config.use_v2_model_runner is False
-    assert config.scheduler_config.async_scheduling is False
+    assert config.scheduler_config.async_scheduling is True
     assert caplog.text.count("speculative method 'ngram'; using the V1 model runner") == 1
     monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(
@@ -281,7 +311,6 @@ def test_ngram_defaults_and_runner_rule(tiny_model, monkeypatch, caplog) -> None
 @pytest.mark.parametrize(
     ("arch", "args", "message"),
     [
-        ("llama", {"async_scheduling": True}, "speculative_config with async_scheduling"),
         ("mamba", {}, "its recurrent state cannot take rejected drafts back"),
     ],
 )

@@ -126,10 +126,11 @@ def test_runner_output_with_prompt_logprobs_round_trip() -> None:
         [[7], [8], [9], [], [10]],
         prompt_logprobs_dict={"new-0": prompt_logprobs},
         draft_token_ids={"run-0": [3, 1]},  # a drafter's guesses for the next step
+        num_filled_drafts={"run-0": 1},  # placeholder slots it filled (async scheduling)
     )
     got = send_reply(output, so)
     assert got == output and got.prompt_logprobs_dict == {"new-0": prompt_logprobs}
-    assert got.draft_token_ids == {"run-0": [3, 1]}
+    assert got.draft_token_ids == {"run-0": [3, 1]} and got.num_filled_drafts == {"run-0": 1}
     assert send_reply(ModelRunnerOutput(["run-0"], [[1]]), so).prompt_logprobs_dict is None
 
 
