@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     from pdserve.models.loader.source import ModelSource
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-# The methods pdserve's Model Runner V2 runs: none yet (vLLM's runs EAGLE, EAGLE-3 and MTP);
-# with speculation a model takes V1.
-V2_METHODS: tuple[str, ...] = ()
+# The methods Model Runner V2 runs (vLLM's: EAGLE, EAGLE-3 and MTP; pdserve builds EAGLE so
+# far); with another method a model takes V1.
+V2_METHODS = ("eagle", "eagle3", "mtp")
 IMPLEMENTED = ("ngram", "draft_model", "eagle")
 # vLLM's default n-gram window when neither end is given.
 _DEFAULT_LOOKUP = 5

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
@@ -25,6 +26,7 @@ from pdserve.models.state_cache import (
 from pdserve.models.utils import KVCacheGeometry, kv_cache_geometry
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
 from pdserve.runners.draft_model import DraftModel
+from pdserve.runners.draft_slots import DraftSlots
 from pdserve.runners.eagle import EagleProposer
 from pdserve.runners.inputs import StepInputs
 from pdserve.runners.prompt_logprobs import (
@@ -32,7 +34,7 @@ from pdserve.runners.prompt_logprobs import (
     PromptLogprobsTracker,
     compute_prompt_logprobs,
 )
-from pdserve.runners.proposer import Proposer
+from pdserve.runners.proposer import DraftStep, Proposer
 from pdserve.runners.rejection_sampler import DraftRows, emitted_logprobs, rejection_sample
 from pdserve.runners.sampler import (
     Sampler,
@@ -40,6 +42,7 @@ from pdserve.runners.sampler import (
     SamplingRow,
     apply_grammar_bitmask,
 )
+from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.output import GrammarBitmask, SchedulerOutput
 from pdserve.utils import cdiv
 
@@ -74,6 +77,8 @@ class ModelRunnerBase:
         # Speculative decoding's model-based drafter: its KV layers follow the target's in
         # each block (runners/proposer.py).
         self.draft = _make_proposer(config, device, self.dtype)
+        spec = config.speculative_config
+        self.draft_slots = None if spec is None else DraftSlots(spec)
 
     def load_model(self) -> None:
         mc = self.model_config
@@ -276,6 +281,23 @@ class ModelRunnerBase:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    def max_num_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The most tokens a request may reach: its max_tokens, and max_model_len."""
+        max_tokens = params.max_tokens or self.max_model_len
+        return min(num_prompt_tokens + max_tokens, self.max_model_len)
+
+    def propose_drafts(self, step: DraftStep, max_num_tokens: np.ndarray) -> dict[str, list[int]]:
+        """The drafter's guesses for the next step of each request that sampled: as many as
+        `max_num_tokens` (each sampling row's) leaves room for after its next token. Kept for
+        the placeholder slots of the next step (runners/draft_slots.py)."""
+        assert self.draft is not None and self.draft_slots is not None
+        room = max_num_tokens - step.num_tokens[step.sampling] - 1
+        step.num_drafts = np.clip(np.minimum(self.draft.k, room), 0, None)
+        guesses = self.draft.propose(step)
+        proposals = {step.req_ids[r]: g for r, g in zip(step.sampling.tolist(), guesses) if g}
+        self.draft_slots.proposals = proposals
+        return proposals
 
 
 def _make_proposer(

@@ -66,3 +66,17 @@ def num_valid_tokens(
     for req_id, slots in spec.items():
         num_valid[row_of[req_id]] -= len(slots) - (len(tokens[req_id]) - 1)
     return num_valid
+
+
+def verified_ends(
+    span_ends: list[int],
+    sampling_req_ids: list[str],
+    spec: dict[str, list[int]],
+    drafts: dict[str, list[int]],
+) -> list[int]:
+    """Where each sampling request's verified tokens end in the step's flat batch: its
+    scheduled tokens end at `span_ends`, the slots left unfilled last."""
+    return [
+        end - len(spec.get(r, ())) + len(drafts.get(r, ()))
+        for end, r in zip(span_ends, sampling_req_ids)
+    ]

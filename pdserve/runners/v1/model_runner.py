@@ -8,7 +8,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from pdserve.runners.base import ModelRunnerBase
-from pdserve.runners.draft_slots import DraftSlots, num_valid_tokens
+from pdserve.runners.draft_slots import num_valid_tokens, verified_ends
 from pdserve.runners.inputs import build_step_inputs, to_device
 from pdserve.runners.proposer import DraftStep
 from pdserve.runners.rejection_sampler import DraftRows
@@ -25,8 +25,6 @@ class ModelRunnerV1(ModelRunnerBase):
             self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req
         )
         self.logits_processors = self.model_config.logits_processors
-        spec = config.speculative_config
-        self.draft_slots = None if spec is None else DraftSlots(spec)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -150,11 +148,8 @@ class ModelRunnerV1(ModelRunnerBase):
         grammar = None if so.grammar_bitmask is None else (so.grammar_bitmask, sampling_req_ids)
         draft_rows = None
         if spec:
-            # A request verifies its drafts and the token before them; unfilled slots follow.
-            ends = [
-                int(cu_num_scheduled[row]) - len(spec.get(r, ())) + len(drafts.get(r, ()))
-                for row, r in zip(sampling_rows.tolist(), sampling_req_ids)
-            ]
+            span_ends = cu_num_scheduled[sampling_rows].tolist()
+            ends = verified_ends(span_ends, sampling_req_ids, spec, drafts)
             draft_rows = DraftRows.build(drafts, sampling_req_ids, ends)
         sampled, logprobs = self.forward_and_sample(
             inputs, rows, prompt_chunks, grammar, draft_rows
@@ -172,7 +167,11 @@ class ModelRunnerV1(ModelRunnerBase):
                 self.requests[req_id].num_computed_tokens = row_computed
         proposals = None
         if self.draft is not None:  # EAGLE reads every step, sampled or not
-            proposals = self._propose(
+            states = [self.requests[r] for r in sampling_req_ids]
+            max_num_tokens = [
+                self.max_num_tokens(len(s.prompt_token_ids), s.sampling_params) for s in states
+            ]
+            proposals = self.propose_drafts(
                 DraftStep(
                     req_ids,
                     batch.token_ids[:n],
@@ -183,9 +182,9 @@ class ModelRunnerV1(ModelRunnerBase):
                     batch.block_table[:n],
                     sampling_rows,
                     np.zeros(0, dtype=np.int64),
-                )
+                ),
+                np.array(max_num_tokens, dtype=np.int64),
             )
-            self.draft_slots.proposals = proposals
         return self.make_output(
             req_ids, tokens, logprobs, sampling_req_ids, proposals, filled or None
         )
@@ -197,17 +196,3 @@ class ModelRunnerV1(ModelRunnerBase):
             output_token_ids=state.output_token_ids,
             logits_processors=self.logits_processors,
         )
-
-    def _propose(self, step: DraftStep) -> dict[str, list[int]]:
-        """The drafter's guesses for the next step of each request that sampled: as many as
-        its max_tokens and max_model_len leave room for after its next token."""
-        assert self.draft is not None
-        limits = []
-        for row in step.sampling.tolist():
-            state = self.requests[step.req_ids[row]]
-            max_tokens = state.sampling_params.max_tokens or self.max_model_len
-            limits.append(min(len(state.prompt_token_ids) + max_tokens, self.max_model_len))
-        room = np.array(limits) - step.num_tokens[step.sampling] - 1
-        step.num_drafts = np.clip(np.minimum(self.draft.k, room), 0, None)
-        guesses = self.draft.propose(step)
-        return {step.req_ids[r]: g for r, g in zip(step.sampling.tolist(), guesses) if g}

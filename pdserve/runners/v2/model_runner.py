@@ -16,7 +16,10 @@ from pdserve.kernels import backend
 from pdserve.kernels.input_prep import prepare_inputs
 from pdserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from pdserve.runners.base import ModelRunnerBase
+from pdserve.runners.draft_slots import num_valid_tokens, verified_ends
 from pdserve.runners.inputs import StepInputs, step_inputs_from_prepared, to_device
+from pdserve.runners.proposer import DraftStep
+from pdserve.runners.rejection_sampler import DraftRows
 from pdserve.runners.sampler import SamplingRow
 from pdserve.runners.v2.cudagraph import CudaGraphModel, StaticInputs, batch_descriptors
 from pdserve.runners.v2.states import RequestStates
@@ -60,6 +63,10 @@ class ModelRunnerV2(ModelRunnerBase):
         if self.model_config.is_moe:
             logger.info("CUDA graphs off: the MoE layer syncs with the host")
             return False
+        if self.draft_slots is not None:
+            # A drafting step's decodes have 1 + k tokens, and the drafter's passes run eager.
+            logger.info("CUDA graphs off: speculative decoding")
+            return False
         if self.config.parallel_config.pipeline_parallel_size > 1:
             # A stage's graph would have to take the received activations as static inputs.
             logger.info("CUDA graphs off: pipeline parallelism")
@@ -81,7 +88,8 @@ class ModelRunnerV2(ModelRunnerBase):
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             idx = self.states.req_id_to_index[req_id]
-            self.states.num_computed_tokens_np[idx] = cached.num_computed_tokens[i]
+            if self.draft_slots is None:  # else the runner keeps the count (draft_slots.py)
+                self.states.num_computed_tokens_np[idx] = cached.num_computed_tokens[i]
             if cached.new_block_ids[i]:
                 self.states.append_block_ids(idx, cached.new_block_ids[i])
 
@@ -94,6 +102,14 @@ class ModelRunnerV2(ModelRunnerBase):
         req_ids = sorted(so.num_scheduled_tokens, key=so.num_scheduled_tokens.__getitem__)
         idx = np.array([states.req_id_to_index[r] for r in req_ids], dtype=np.int64)
         query_lens = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        spec = so.scheduled_spec_decode_tokens or {}
+        drafts, filled = {}, None
+        if spec:
+            assert self.draft_slots is not None
+            index = states.req_id_to_index
+            drafts, filled = self.draft_slots.fill(spec, lambda r: states.known_tokens(index[r]))
+            for req_id, own in drafts.items():  # scheduled after the request's known tokens
+                states.write_drafts(index[req_id], own)
         # A request samples once its scheduled tokens reach the end of everything it knows.
         seq_lens = states.num_computed_tokens_np[idx] + query_lens
         sampling_pos = np.nonzero(seq_lens >= states.num_tokens[idx])[0]
@@ -120,11 +136,45 @@ class ModelRunnerV2(ModelRunnerBase):
                 if (j := position.get(r)) is not None
             )
         grammar = None if so.grammar_bitmask is None else (so.grammar_bitmask, sampling_req_ids)
-        sampled, logprobs = self.forward_and_sample(inputs, rows, prompt_chunks, grammar)
+        starts = np.cumsum(query_lens) - query_lens
+        draft_rows = None
+        if spec:
+            span_ends = (starts + query_lens)[sampling_pos].tolist()
+            ends = verified_ends(span_ends, sampling_req_ids, spec, drafts)
+            draft_rows = DraftRows.build(drafts, sampling_req_ids, ends)
+        sampled, logprobs = self.forward_and_sample(
+            inputs, rows, prompt_chunks, grammar, draft_rows
+        )
         if sampled:
-            states.append_sampled(sampling_idx, [t for (t,) in sampled])
+            states.append_sampled(sampling_idx, sampled)
         tokens = dict(zip(sampling_req_ids, sampled))
-        return self.make_output(req_ids, tokens, logprobs, sampling_req_ids)
+        if self.draft_slots is None:
+            return self.make_output(req_ids, tokens, logprobs, sampling_req_ids)
+        position = dict(zip(req_ids, range(len(req_ids))))
+        num_valid = num_valid_tokens(query_lens, position, spec, tokens)
+        num_computed = states.num_computed_tokens_np[idx]  # before the step
+        states.num_computed_tokens_np[idx] = num_computed + num_valid
+        proposals = None
+        if self.draft is not None:
+            step = DraftStep(
+                req_ids,
+                states.token_ids_np[idx, : int(states.num_tokens[idx].max())],
+                states.num_tokens[idx],
+                num_computed,
+                num_valid,
+                starts,
+                states.block_table_np[idx],
+                sampling_pos,
+                np.zeros(0, dtype=np.int64),
+            )
+            max_num_tokens = [
+                self.max_num_tokens(len(states.prompt_token_ids[i]), states.sampling_params[i])
+                for i in sampling_idx
+            ]
+            proposals = self.propose_drafts(step, np.array(max_num_tokens, dtype=np.int64))
+        return self.make_output(
+            req_ids, tokens, logprobs, sampling_req_ids, proposals, filled or None
+        )
 
     def _prepare_inputs(
         self,

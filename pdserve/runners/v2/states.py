@@ -9,6 +9,7 @@ which never wait for the GPU.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 import torch
@@ -45,6 +46,15 @@ class RequestStates:
             max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device
         )
         self.device = device
+        # The host's copies of the token and block tables, which the drafters read
+        # (runners/proposer.py): on the CPU device the tables themselves.
+        self.mirrored = device.type != "cpu"
+        if self.mirrored:
+            self.token_ids_np = np.zeros(tuple(self.all_token_ids.shape), dtype=np.int64)
+            self.block_table_np = np.zeros(tuple(self.block_table.shape), dtype=np.int32)
+        else:
+            self.token_ids_np = self.all_token_ids.numpy()
+            self.block_table_np = self.block_table.numpy()
         # Written on the host as the scheduler reports it, sent to the device once per step by
         # commit() (the CPU device shares the host array, so nothing is sent).
         self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)
@@ -65,6 +75,8 @@ class RequestStates:
         self.req_id_to_index[new.req_id] = idx
         tokens = new.prefill_token_ids
         copy_to_device(self.all_token_ids[idx, : len(tokens)], tokens)
+        if self.mirrored:
+            self.token_ids_np[idx, : len(tokens)] = tokens
         self.num_tokens[idx] = len(tokens)
         # prefill_token_ids = prompt + outputs so far, when re-added after preemption.
         self.prompt_token_ids[idx] = new.prompt_token_ids
@@ -84,6 +96,8 @@ class RequestStates:
         start = self.num_blocks[idx]
         if block_ids:
             copy_to_device(self.block_table[idx, start : start + len(block_ids)], block_ids)
+            if self.mirrored:
+                self.block_table_np[idx, start : start + len(block_ids)] = block_ids
         self.num_blocks[idx] = start + len(block_ids)
 
     def commit(self) -> None:
@@ -91,11 +105,28 @@ class RequestStates:
         if self.num_computed_tokens.device.type != "cpu":
             copy_to_device(self.num_computed_tokens, self.num_computed_tokens_np)
 
-    def append_sampled(self, idx: list[int], token_ids: list[int]) -> None:
+    def known_tokens(self, idx: int) -> np.ndarray:
+        return self.token_ids_np[idx, : self.num_tokens[idx]]
+
+    def write_drafts(self, idx: int, drafts: list[int]) -> None:
+        """A step's drafts, after the request's known tokens (not counted among them)."""
+        start = int(self.num_tokens[idx])
+        copy_to_device(self.all_token_ids[idx, start : start + len(drafts)], drafts)
+        if self.mirrored:
+            self.token_ids_np[idx, start : start + len(drafts)] = drafts
+
+    def append_sampled(self, idx: list[int], token_ids: list[list[int]]) -> None:
+        """Each row's tokens of the step (one, or with drafts its accepted ones and one more)."""
         rows = np.asarray(idx, dtype=np.int64)
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        packed = to_device(np.stack([rows, self.num_tokens[rows], tokens]), self.device)
+        counts = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+        tokens = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64)
+        starts = np.cumsum(counts) - counts
+        row_of = np.repeat(rows, counts)
+        cols = np.repeat(self.num_tokens[rows] - starts, counts) + np.arange(len(tokens))
+        packed = to_device(np.stack([row_of, cols, tokens]), self.device)
         self.all_token_ids[packed[0], packed[1]] = packed[2]
-        self.num_tokens[rows] += 1
+        if self.mirrored:
+            self.token_ids_np[row_of, cols] = tokens
+        self.num_tokens[rows] += counts
         for i, t in zip(idx, token_ids):
-            self.output_token_ids[i].append(t)
+            self.output_token_ids[i].extend(t)

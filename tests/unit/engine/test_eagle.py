@@ -1,4 +1,4 @@
-"""EAGLE (runner V1): greedy output with an EAGLE head is the target's greedy output, in batches,
+"""EAGLE (runners V1 and V2): greedy output with an EAGLE head is the target's greedy output, in batches,
 with chunked prefill and preemption; and every guess the runner makes is the one an EAGLE head
 written here from its definition makes (HF's target hidden states, HF's Llama layer over
 fc(concat(embedding, hidden)), the first layer without its input norm, no final norm, the
@@ -64,10 +64,13 @@ class ReferenceEagle:
     [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4}, {"num_gpu_blocks_override": 12}, ASYNC],
     ids=["batched", "chunked", "preempting", "async"],
 )
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_eagle_guesses_are_the_heads_and_tokens_the_targets(
-    tiny_model, monkeypatch, tmp_path, engine
+    tiny_model, monkeypatch, tmp_path, engine, runner
 ) -> None:
-    monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.delenv("PDSERVE_USE_V2_MODEL_RUNNER", raising=False)
+    if runner == "v1":
+        monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", "0")
     path = tiny_model("llama")
     head = make_tiny_eagle_head(tmp_path / "eagle")
     proposals: list[tuple[list[int], list[int]]] = []
@@ -87,6 +90,7 @@ def test_eagle_guesses_are_the_heads_and_tokens_the_targets(
     with LLM(
         model=path, dtype="float32", max_model_len=256, speculative_config=eagle(head), **engine
     ) as llm:
+        assert llm.config.use_v2_model_runner is (runner == "v2")  # V2 by default
         prompts = copy_heavy_prompts(llm.config.model_config.vocab_size)
         assert run(llm, prompts) == reference(path, prompts)
         assert llm.engine_core.scheduler.spec_stats.num_drafts > 0
