@@ -152,6 +152,7 @@ class SchedulerOutputWire(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_connector_metadata: bytes | None = None
     grammar_bitmask: GrammarBitmask | None = None
     scheduled_spec_decode_tokens: dict[str, list[int]] | None = None
+    draft_paused_req_ids: set[str] | None = None
 
 
 def _new_request_to_wire(new: NewRequestData) -> NewRequestWire:
@@ -207,6 +208,7 @@ def scheduler_output_to_wire(
         so.kv_connector_metadata,
         so.grammar_bitmask,
         so.scheduled_spec_decode_tokens,
+        so.draft_paused_req_ids,
     )
 
 
@@ -236,6 +238,7 @@ def scheduler_output_from_wire(
         wire.kv_connector_metadata,
         wire.grammar_bitmask,
         wire.scheduled_spec_decode_tokens,
+        wire.draft_paused_req_ids,
     )
 
 

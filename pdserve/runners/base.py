@@ -287,13 +287,18 @@ class ModelRunnerBase:
         max_tokens = params.max_tokens or self.max_model_len
         return min(num_prompt_tokens + max_tokens, self.max_model_len)
 
-    def propose_drafts(self, step: DraftStep, max_num_tokens: np.ndarray) -> dict[str, list[int]]:
+    def propose_drafts(
+        self, step: DraftStep, max_num_tokens: np.ndarray, paused: set[str] | None
+    ) -> dict[str, list[int]]:
         """The drafter's guesses for the next step of each request that sampled: as many as
-        `max_num_tokens` (each sampling row's) leaves room for after its next token. Kept for
-        the placeholder slots of the next step (runners/draft_slots.py)."""
+        `max_num_tokens` (each sampling row's) leaves room for after its next token, none for
+        the `paused`. Kept for the placeholder slots of the next step (draft_slots.py)."""
         assert self.draft is not None and self.draft_slots is not None
         room = max_num_tokens - step.num_tokens[step.sampling] - 1
         step.num_drafts = np.clip(np.minimum(self.draft.k, room), 0, None)
+        if paused:
+            ids = step.req_ids
+            step.num_drafts[[ids[r] in paused for r in step.sampling.tolist()]] = 0
         guesses = self.draft.propose(step)
         proposals = {step.req_ids[r]: g for r, g in zip(step.sampling.tolist(), guesses) if g}
         self.draft_slots.proposals = proposals

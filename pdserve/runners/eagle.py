@@ -53,6 +53,7 @@ class EagleProposer:
         assert head is not None and hidden is not None
         self.hidden = None
         num_rows = len(step.req_ids)
+        drafting = step.num_drafts > 0  # of the sampling rows: paused ones guess nothing
         counts = step.num_valid
         rows_of_token = np.repeat(np.arange(num_rows), counts)
         offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -67,7 +68,7 @@ class EagleProposer:
             to_device(step.num_computed + counts, device),
             to_device(step.block_table, device),
             self.block_size,
-            to_device(step.sampling, device),
+            to_device(step.sampling[drafting], device),
         )
         out = head(
             inputs.input_ids,
@@ -76,10 +77,10 @@ class EagleProposer:
             self.kv_caches,
             inputs.attn_metadata,
         )
-        if not len(step.sampling):
-            return []
-        state = out[inputs.logits_indices]  # each sampling row's last position
-        first = argmax_rows(head.compute_logits(state)).tolist()
+        if not drafting.any():
+            return [[] for _ in step.sampling]
+        state = out[inputs.logits_indices]  # each drafting row's last position
+        first = iter(argmax_rows(head.compute_logits(state)).tolist())
 
         def next_guesses(one: StepInputs, kept: np.ndarray) -> torch.Tensor:
             nonlocal state
@@ -87,5 +88,5 @@ class EagleProposer:
             state = head(one.input_ids, one.positions, state, self.kv_caches, one.attn_metadata)
             return argmax_rows(head.compute_logits(state))
 
-        guesses = [[t] for t in first]
+        guesses = [[next(first)] if d else [] for d in drafting.tolist()]
         return chain_guesses(guesses, step, self.block_size, device, next_guesses, lag=1)

@@ -84,14 +84,15 @@ def chain_guesses(
     step.num_drafts of them: a pass reads each row's last guess (or, with none yet, its last
     token) at that token's position, less `lag` (EAGLE reads the token at t + 1 at position
     t). `next_guesses(inputs, kept)`: the pass's argmax tokens; `kept` marks which of the
-    previous pass's rows are still in it."""
+    previous pass's rows (at first: the rows that want guesses) are still in it."""
     rows = step.sampling
     last_tokens = step.token_ids[rows, step.num_tokens[rows] - 1]
     tokens = np.array([g[-1] if g else t for g, t in zip(guesses, last_tokens.tolist())])
     done = np.array([len(g) for g in guesses], dtype=np.int64)
     positions = step.num_tokens[rows] - 1 + done - lag
-    active = np.arange(len(rows))
-    for j in range(min(map(len, guesses), default=0), int(step.num_drafts.max(initial=0))):
+    active = np.flatnonzero(step.num_drafts > 0)  # the rows that want guesses
+    first = int(done[active].min()) if active.size else 0
+    for j in range(first, int(step.num_drafts.max(initial=0))):
         kept = step.num_drafts[active] > j
         active = active[kept]
         inputs = one_token_inputs(

@@ -60,6 +60,9 @@ class Drafter:
         self.config = config
         # A draft model writes its guesses' KV ahead of the tokens it is given: k slots.
         self.num_lookahead_tokens = 0 if config.method == "ngram" else self.k
+        # This step's requests whose next step is paused too, for a model drafter
+        # (SchedulerOutput.draft_paused_req_ids).
+        self.paused_req_ids: set[str] = set()
 
     def propose(self, request: Request, room: int, num_tokens: int) -> list[int]:
         """At most `room` drafts (the step's budget), and no more than max_tokens and
@@ -69,6 +72,8 @@ class Drafter:
         proposed, request.spec_token_ids = request.spec_token_ids, []  # each used once
         if request.draft_pause:
             request.draft_pause -= 1
+            if request.draft_pause and self.num_lookahead_tokens:
+                self.paused_req_ids.add(request.request_id)
             return []
         k = min(self.k, room, request.max_num_tokens - num_tokens - 1)
         if k <= 0 or not _takes_drafts(request):
@@ -84,6 +89,10 @@ class Drafter:
         if drafts and request.structured_output is not None:
             return request.structured_output.valid_prefix(drafts)
         return drafts
+
+    def take_paused(self) -> set[str] | None:
+        paused, self.paused_req_ids = self.paused_req_ids, set()
+        return paused or None
 
 
 def _takes_drafts(request: Request) -> bool:

@@ -88,6 +88,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # A request with a step in flight (async scheduling) gets DRAFT_PLACEHOLDER slots: its
     # runner, which knows that step's tokens, fills them.
     scheduled_spec_decode_tokens: dict[str, list[int]] | None = None
+    # Requests whose drafting is paused (scheduler/drafts.py) for their next step too: a
+    # model drafter need not guess for them after this one.
+    draft_paused_req_ids: set[str] | None = None
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -189,6 +189,8 @@ class Scheduler:
         )
         if ran.spec_token_ids:
             scheduler_output.scheduled_spec_decode_tokens = ran.spec_token_ids
+        if self.drafter is not None:
+            scheduler_output.draft_paused_req_ids = self.drafter.take_paused()
         scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
             scheduler_output
         )

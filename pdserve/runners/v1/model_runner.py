@@ -184,6 +184,7 @@ class ModelRunnerV1(ModelRunnerBase):
                     np.zeros(0, dtype=np.int64),
                 ),
                 np.array(max_num_tokens, dtype=np.int64),
+                so.draft_paused_req_ids,
             )
         return self.make_output(
             req_ids, tokens, logprobs, sampling_req_ids, proposals, filled or None

@@ -171,7 +171,9 @@ class ModelRunnerV2(ModelRunnerBase):
                 self.max_num_tokens(len(states.prompt_token_ids[i]), states.sampling_params[i])
                 for i in sampling_idx
             ]
-            proposals = self.propose_drafts(step, np.array(max_num_tokens, dtype=np.int64))
+            proposals = self.propose_drafts(
+                step, np.array(max_num_tokens, dtype=np.int64), so.draft_paused_req_ids
+            )
         return self.make_output(
             req_ids, tokens, logprobs, sampling_req_ids, proposals, filled or None
         )

@@ -74,9 +74,14 @@ def test_eagle_guesses_are_the_heads_and_tokens_the_targets(
     path = tiny_model("llama")
     head = make_tiny_eagle_head(tmp_path / "eagle")
     proposals: list[tuple[list[int], list[int]]] = []
+    paused: list[str] = []
     update = Scheduler.update_from_output
 
     def recording(self, scheduler_output, model_runner_output):  # type: ignore[no-untyped-def]
+        # A request whose next step is paused (its drafts missed) gets no guesses.
+        paused.extend(scheduler_output.draft_paused_req_ids or ())
+        guessed = model_runner_output.draft_token_ids or {}
+        assert not guessed.keys() & (scheduler_output.draft_paused_req_ids or set())
         outputs = update(self, scheduler_output, model_runner_output)
         applied = {o.request_id for o in outputs}  # not the steps of requests preempted since
         for req_id, guesses in (model_runner_output.draft_token_ids or {}).items():
@@ -97,7 +102,7 @@ def test_eagle_guesses_are_the_heads_and_tokens_the_targets(
         assert (sum(filled) > 0) is (engine is ASYNC)  # the runner's guesses in flight
         assert_pool_full(llm)
     ref = ReferenceEagle(path, head)
-    assert len(proposals) > 20
+    assert len(proposals) > 20 and paused
     for tokens, guesses in proposals:
         assert guesses == ref.guesses(tokens, len(guesses)), len(tokens)
 

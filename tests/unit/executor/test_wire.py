@@ -50,7 +50,8 @@ def scheduler_output(num_scheduled_tokens: dict[str, int] | None = None) -> Sche
         {"run-3"},
         b"connector",
         GrammarBitmask(["run-0", "run-0"], b"\xff" * 8),  # two rows: its next token and a draft
-        {"run-0": [4, 5]},  # speculative decoding's drafts
+        {"run-0": [4, 5], "run-1": [-1, -1]},  # drafts, and slots the runner fills
+        {"run-2"},  # drafting paused for its next step too
     )
 
 
