@@ -5,7 +5,9 @@ proxy is within 5% of the single instance's (vLLM's P/D check); pools full after
 - n-gram, pull: nothing crosses the wire for it; the prefill instance has no speculative config.
 - draft model, push: the draft's KV of the prompt crosses in the target's blocks (the prefill
   instance runs the same draft). The draft is the target itself, so on both sides every draft
-  is accepted only if the draft KV that arrived is right."""
+  is accepted only if the draft KV that arrived is right.
+- EAGLE on runner V2, pull: the head's KV of the prompt crosses in the target's blocks; the
+  decode side computes the shipped token's hidden state itself."""
 
 from __future__ import annotations
 
@@ -15,13 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.unit.engine.test_eagle import eagle
 from tests.unit.engine.test_spec_decode import NGRAM, copy_heavy_prompts, draft_model
 from tests.utils.pd import greedy_body, split_proxy, start_instance
 from tests.utils.server import RemoteServer, start_together
-from tests.utils.tiny_models import VOCAB_SIZE, hf_greedy
+from tests.utils.tiny_models import VOCAB_SIZE, hf_greedy, make_tiny_eagle_head
 
 MAX_TOKENS = 24
-V1 = {"PDSERVE_USE_V2_MODEL_RUNNER": "0"}
 
 
 def acceptance_length(server: RemoteServer) -> float:
@@ -30,28 +32,38 @@ def acceptance_length(server: RemoteServer) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculation_on_the_decode_instance_matches_a_single_instance(tiny_model, method) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_speculation_on_the_decode_instance_matches_a_single_instance(
+    tiny_model, tmp_path, method
+) -> None:
     model = tiny_model("llama")
     prompts = copy_heavy_prompts(VOCAB_SIZE)
     expected = hf_greedy(Path(model), prompts, MAX_TOKENS)
-    config = NGRAM if method == "ngram" else draft_model(model)
+    config = {
+        "ngram": NGRAM,
+        "draft_model": draft_model(model),
+        "eagle": eagle(make_tiny_eagle_head(tmp_path / "eagle")),
+    }[method]
     spec = ["--speculative-config", json.dumps(config)]
-    # The n-gram split pulls, the draft model's pushes.
-    connector = "NixlConnector" if method == "ngram" else "NixlPushConnector"
+    # The n-gram and EAGLE splits pull, the draft model's pushes; EAGLE runs on runner V2.
+    connector = "NixlPushConnector" if method == "draft_model" else "NixlConnector"
     prefill_args = [] if method == "ngram" else spec
+    runner = "1" if method == "eagle" else "0"
     servers = start_together(
-        lambda: RemoteServer(["serve", "--model", model, "--dtype", "float32", *spec], env=V1),
-        lambda: start_instance(
-            model, "kv_producer", runner="0", extra_args=prefill_args, connector=connector
+        lambda: RemoteServer(
+            ["serve", "--model", model, "--dtype", "float32", *spec],
+            env={"PDSERVE_USE_V2_MODEL_RUNNER": runner},
         ),
         lambda: start_instance(
-            model, "kv_consumer", runner="0", extra_args=spec, connector=connector
+            model, "kv_producer", runner=runner, extra_args=prefill_args, connector=connector
+        ),
+        lambda: start_instance(
+            model, "kv_consumer", runner=runner, extra_args=spec, connector=connector
         ),
     )
     single, p, d = servers
     try:
-        proxy = split_proxy(p, d, *([] if method == "ngram" else ["--kv-mode", "push"]))
+        proxy = split_proxy(p, d, *(["--kv-mode", "push"] if method == "draft_model" else []))
         servers.append(proxy)
         for server in (single, proxy):
             for prompt, tokens in zip(prompts, expected):
