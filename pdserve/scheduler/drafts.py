@@ -9,8 +9,8 @@ and returns the accepted drafts and one more token; the drafts after the first r
 rolled back here (`num_computed_tokens`: their KV is simply written over later).
 
 A request whose drafts are all rejected pauses drafting for 1, 2, 4 .. 16 steps (consecutive
-misses double the pause; an accepted draft ends it): where nothing repeats, speculation then
-costs next to nothing.
+misses double the pause) and then probes with one draft; an accepted draft ends the pausing.
+Where nothing repeats, speculation then costs next to nothing.
 
 Drafts go to decoding requests, greedy or sampled, with penalties, logprobs, min_tokens and
 grammars: the runner samples each draft position as a step of one token would. A request under
@@ -75,7 +75,9 @@ class Drafter:
             if request.draft_pause and self.num_lookahead_tokens:
                 self.paused_req_ids.add(request.request_id)
             return []
-        k = min(self.k, room, request.max_num_tokens - num_tokens - 1)
+        # After a miss, a pause ends on one draft: a probe costs a step one row, not k.
+        k = 1 if request.draft_misses else self.k
+        k = min(k, room, request.max_num_tokens - num_tokens - 1)
         if k <= 0 or not _takes_drafts(request):
             return []
         if request.num_output_placeholders:
