@@ -14,7 +14,7 @@ what the target does); `--method eagle` with an EAGLE head (`--draft`, by defaul
 benchmarks/train_eagle.py distils).
 
 pdserve without speculation runs as it does by default (Model Runner V2, async scheduling);
-with it, V1 and steps one at a time (docs/spec_decode.md). A run's decode tok/s is its output
+with n-gram or a draft model, V1 (vLLM's rule), with EAGLE V2 (docs/spec_decode.md). A run's decode tok/s is its output
 tokens over the time between generating 2 and output-len tokens a prompt (the prefill cancels).
 """
 
