@@ -205,14 +205,14 @@ def exponential_noise(probs: torch.Tensor, inputs: SamplingInputs) -> torch.Tens
     rows; a seeded row draws exactly V uniforms from a generator keyed by (seed, output
     position). (-log U of a float32 uniform is ~4x cheaper than torch's CPU exponential_; U = 0
     gives q = inf, a zero ratio.)"""
-    u = torch.empty_like(probs).uniform_()
-    vocab_size = probs.shape[1]
-    for i, seed in enumerate(inputs.seeds):
-        if seed is None:
-            continue
+    u = torch.empty_like(probs)
+    seeded = [i for i, seed in enumerate(inputs.seeds) if seed is not None]
+    if len(seeded) < len(u):
+        u.uniform_()  # one draw for every row; the seeded rows' are drawn again below
+    for i in seeded:
         gen = torch.Generator(device=probs.device)
-        gen.manual_seed(seed_hash(seed, inputs.output_positions[i]))
-        u[i] = torch.empty(vocab_size, device=probs.device).uniform_(generator=gen)
+        gen.manual_seed(seed_hash(inputs.seeds[i], inputs.output_positions[i]))
+        u[i].uniform_(generator=gen)
     return u.log_().neg_()
 
 
