@@ -90,9 +90,9 @@ class Request:
         self.num_draft_tokens = 0
         # A draft model's guesses for its next step, from the runner (scheduler/drafts.py).
         self.spec_token_ids: list[int] = []
-        # Steps to decode without drafts, and the drafting steps in a row that missed
-        # (scheduler/drafts.py's back_off).
-        self.draft_pause = 0
+        # The scheduler's step from which it drafts again, and the drafting steps in a row that
+        # missed (scheduler/drafts.py's Drafter.back_off).
+        self.draft_resume_step = 0
         self.draft_misses = 0
         # Set at first admission (scheduler/admission.py): prompt tokens a prefix cache served,
         # here or on the instance that computed the KV it loaded (usage's cached_tokens).

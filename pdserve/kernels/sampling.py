@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,7 +97,8 @@ def sample_tokens_torch(logits: torch.Tensor, inputs: SamplingInputs) -> torch.T
     if inputs.all_greedy:
         return argmax_rows(logits)
     probs = logits.softmax(dim=-1)
-    sampled = argmax_rows(probs.div_(exponential_noise(probs, inputs)))
+    noise = exponential_noise(probs, inputs.seeds, inputs.output_positions)
+    sampled = argmax_rows(probs.div_(noise))
     if inputs.all_random:
         return sampled
     return torch.where(inputs.temperature < _GREEDY_EPS, argmax_rows(logits), sampled)
@@ -200,18 +202,20 @@ def seed_hash(seed: int, position: int) -> int:
     return mix(mix(seed & _MASK64) ^ position) & ((1 << 63) - 1)
 
 
-def exponential_noise(probs: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
+def exponential_noise(
+    probs: torch.Tensor, seeds: Sequence[int | None], output_positions: Sequence[int]
+) -> torch.Tensor:
     """Exp(1) noise [B, V] as -log(U): one batched draw from the default generator for unseeded
     rows; a seeded row draws exactly V uniforms from a generator keyed by (seed, output
     position). (-log U of a float32 uniform is ~4x cheaper than torch's CPU exponential_; U = 0
     gives q = inf, a zero ratio.)"""
     u = torch.empty_like(probs)
-    seeded = [i for i, seed in enumerate(inputs.seeds) if seed is not None]
+    seeded = [i for i, seed in enumerate(seeds) if seed is not None]
     if len(seeded) < len(u):
         u.uniform_()  # one draw for every row; the seeded rows' are drawn again below
     for i in seeded:
         gen = torch.Generator(device=probs.device)
-        gen.manual_seed(seed_hash(inputs.seeds[i], inputs.output_positions[i]))
+        gen.manual_seed(seed_hash(seeds[i], output_positions[i]))
         u[i].uniform_(generator=gen)
     return u.log_().neg_()
 

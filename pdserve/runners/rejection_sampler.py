@@ -19,6 +19,7 @@ With every draft accepted, row k's token is the step's last.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -94,31 +95,48 @@ def rejection_sample(
         accepted = tokens == drafts
     else:
         processed = process_logits_torch(logits, md)
-        greedy = argmax_rows(processed)
+        tokens = argmax_rows(processed)
         probs = processed.softmax(dim=-1)
-        accept_random = _uniforms(md, probs.device) < probs.gather(1, drafts[:, None])[:, 0]
-        # The residual: p without the draft (rows without one keep p whole).
-        probs[has_draft, drafts[has_draft]] = 0.0
-        drawn = argmax_rows(probs.div_(exponential_noise(probs, md)))
         random = md.temperature >= _GREEDY_EPS
-        tokens = torch.where(random, drawn, greedy)
+        accept_random = _uniforms(md, probs.device) < probs.gather(1, drafts[:, None])[:, 0]
         accepted = torch.where(random, accept_random, tokens == drafts)
+        accepted &= has_draft
+        # Only the row where a request stops draws its token: the noise of rows after it
+        # would go unused (a row's noise is keyed by its output position, not by its batch).
+        is_random = random.tolist()
+        stops = [i for i in _stop_rows(accepted.tolist(), rows.num_rows) if is_random[i]]
+        if stops:
+            index = torch.tensor(stops, device=probs.device)
+            residual = probs[index]
+            # p without the draft (a request's last row has none and keeps p whole).
+            stop_drafts = drafts[index]
+            residual[has_draft[index], stop_drafts[has_draft[index]]] = 0.0
+            noise = exponential_noise(
+                residual, [md.seeds[i] for i in stops], [md.output_positions[i] for i in stops]
+            )
+            tokens[index] = argmax_rows(residual.div_(noise))
     accepted &= has_draft
     chosen = torch.where(accepted, drafts, tokens)
     return _walk(chosen.tolist(), accepted.tolist(), rows.num_rows), chosen
 
 
-def _walk(chosen: list[int], accepted: list[bool], num_rows: list[int]) -> list[list[int]]:
-    """Per request: its rows' tokens up to and including the first not accepted."""
-    out: list[list[int]] = []
+def _stop_rows(accepted: list[bool], num_rows: list[int]) -> list[int]:
+    """Each request's row that ends its tokens: its first draft not accepted, or its last."""
+    stops = []
     offset = 0
     for n in num_rows:
         end = offset
         while accepted[end]:  # a request's last row has no draft: never accepted
             end += 1
-        out.append(chosen[offset : end + 1])
+        stops.append(end)
         offset += n
-    return out
+    return stops
+
+
+def _walk(chosen: list[int], accepted: list[bool], num_rows: list[int]) -> list[list[int]]:
+    """Per request: its rows' tokens up to and including the first not accepted."""
+    starts = itertools.accumulate(num_rows, initial=0)
+    return [chosen[start : stop + 1] for start, stop in zip(starts, _stop_rows(accepted, num_rows))]
 
 
 def _uniforms(md: SamplingMetadata, device: torch.device) -> torch.Tensor:

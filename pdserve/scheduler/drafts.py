@@ -8,9 +8,10 @@ their KV slots allocated like any other); the runner verifies them (runners/reje
 and returns the accepted drafts and one more token; the drafts after the first rejected one are
 rolled back here (`num_computed_tokens`: their KV is simply written over later).
 
-A request whose drafts are all rejected pauses drafting for 1, 2, 4 .. 16 steps (consecutive
-misses double the pause) and then probes with one draft; an accepted draft ends the pausing.
-Where nothing repeats, speculation then costs next to nothing.
+A request whose drafts are all rejected pauses drafting for up to 1, 2, 4 .. 64 steps
+(consecutive misses double the pause; pauses end on a clock shared by all requests) and then
+probes with one draft; an accepted draft ends the pausing. Where nothing repeats, speculation
+then costs next to nothing.
 
 Drafts go to decoding requests, greedy or sampled, with penalties, logprobs, min_tokens and
 grammars: the runner samples each draft position as a step of one token would. A request under
@@ -50,6 +51,13 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k:
     return []
 
 
+# A request whose drafts keep missing pauses drafting: up to 1, 2, 4 .. this many steps after
+# each consecutive miss. Verifying k rejected drafts costs a step about 10-15% on CPU (the
+# target's logits and the sampler over k + 1 rows), which text with nothing to copy pays every
+# step.
+MAX_DRAFT_PAUSE = 64
+
+
 class Drafter:
     """A step's drafts for a request about to decode its next token: the n-gram's, or those
     the runner proposed after the request's last step (a draft model: runners/draft_model.py,
@@ -60,6 +68,8 @@ class Drafter:
         self.config = config
         # A draft model writes its guesses' KV ahead of the tokens it is given: k slots.
         self.num_lookahead_tokens = 0 if config.method == "ngram" else self.k
+        # The steps scheduled so far: the clock that pauses after misses end on.
+        self.step = 0
         # This step's requests whose next step is paused too, for a model drafter
         # (SchedulerOutput.draft_paused_req_ids).
         self.paused_req_ids: set[str] = set()
@@ -70,9 +80,8 @@ class Drafter:
         tokens, those its steps in flight may sample counted. With a step in flight, slots
         for the runner to fill (DRAFT_PLACEHOLDER): only it knows that step's tokens."""
         proposed, request.spec_token_ids = request.spec_token_ids, []  # each used once
-        if request.draft_pause:
-            request.draft_pause -= 1
-            if request.draft_pause and self.num_lookahead_tokens:
+        if request.draft_resume_step > self.step:
+            if request.draft_resume_step > self.step + 1 and self.num_lookahead_tokens:
                 self.paused_req_ids.add(request.request_id)
             return []
         # After a miss, a pause ends on one draft: a probe costs a step one row, not k.
@@ -92,9 +101,25 @@ class Drafter:
             return request.structured_output.valid_prefix(drafts)
         return drafts
 
-    def take_paused(self) -> set[str] | None:
+    def end_step(self) -> set[str] | None:
+        """The step is scheduled: the clock moves on. Returns the requests paused next step."""
+        self.step += 1
         paused, self.paused_req_ids = self.paused_req_ids, set()
         return paused or None
+
+    def back_off(self, request: Request, num_accepted: int) -> None:
+        """After a verified step: a miss (nothing accepted) doubles the pause before the
+        request's next drafts; a hit ends the pausing. A pause of p steps ends on the clock's
+        next multiple of p, so that requests paused alike probe in the same step: a step then
+        verifies several probes or none (a verifying step costs the whole batch the rejection
+        sampler's path)."""
+        if num_accepted:
+            request.draft_misses = 0
+            return
+        pause = min(1 << request.draft_misses, MAX_DRAFT_PAUSE)
+        request.draft_resume_step = (self.step // pause + 1) * pause
+        # Counted only as far as the longest pause: a long run of misses keeps a small shift.
+        request.draft_misses = min(request.draft_misses + 1, MAX_DRAFT_PAUSE.bit_length() - 1)
 
 
 def _takes_drafts(request: Request) -> bool:
@@ -117,6 +142,7 @@ def roll_back_rejected(
     spec_token_ids: dict[str, list[int]],
     model_runner_output: ModelRunnerOutput,
     requests: dict[str, Request],
+    drafter: Drafter,
     stats: SpecDecodingStats,
 ) -> None:
     """The drafts the runner rejected no longer count as computed: a request's step returns
@@ -136,21 +162,4 @@ def roll_back_rejected(
         num_drafts = filled.get(req_id, len(drafts))
         if num_drafts:
             stats.observe(num_drafts, num_accepted)
-        back_off(request, num_accepted)
-
-
-# A request whose drafts keep missing pauses drafting: 1, 2, 4 .. this many steps after each
-# consecutive miss. Verifying k rejected drafts costs a step about 10-15% on CPU (the target's
-# logits and the sampler over k + 1 rows), which text with nothing to copy pays every step.
-MAX_DRAFT_PAUSE = 16
-
-
-def back_off(request: Request, num_accepted: int) -> None:
-    """After a verified step: a miss (nothing accepted) doubles the pause before the
-    request's next drafts; a hit ends the pausing."""
-    if num_accepted:
-        request.draft_misses = 0
-        return
-    request.draft_pause = min(1 << request.draft_misses, MAX_DRAFT_PAUSE)
-    # Counted only as far as the longest pause: a long run of misses keeps a small shift.
-    request.draft_misses = min(request.draft_misses + 1, MAX_DRAFT_PAUSE.bit_length() - 1)
+        drafter.back_off(request, num_accepted)

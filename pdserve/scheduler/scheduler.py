@@ -190,7 +190,7 @@ class Scheduler:
         if ran.spec_token_ids:
             scheduler_output.scheduled_spec_decode_tokens = ran.spec_token_ids
         if self.drafter is not None:
-            scheduler_output.draft_paused_req_ids = self.drafter.take_paused()
+            scheduler_output.draft_paused_req_ids = self.drafter.end_step()
         scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
             scheduler_output
         )
@@ -242,6 +242,7 @@ class Scheduler:
                 scheduler_output.scheduled_spec_decode_tokens,
                 model_runner_output,
                 self.requests,
+                self.drafter,
                 self.spec_stats,
             )
         if model_runner_output.draft_token_ids:

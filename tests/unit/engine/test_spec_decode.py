@@ -20,7 +20,7 @@ from pdserve.config.speculative import SpeculativeConfig
 from pdserve.metrics import EngineMetrics
 from pdserve.sampling_params import StructuredOutputsParams
 from pdserve.scheduler import scheduler as scheduler_module
-from pdserve.scheduler.drafts import Drafter, back_off, propose_ngram
+from pdserve.scheduler.drafts import Drafter, propose_ngram
 from pdserve.scheduler.output import DRAFT_PLACEHOLDER
 from pdserve.scheduler.stats import SchedulerStats, SpecDecodingStats
 from tests.unit.engine.test_correctness import MAX_TOKENS, assert_pool_full, reference, run
@@ -97,9 +97,9 @@ def record_filled_drafts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     filled: list[int] = []
     roll_back = scheduler_module.roll_back_rejected
 
-    def recording(spec, model_runner_output, requests, stats):  # type: ignore[no-untyped-def]
+    def recording(spec, model_runner_output, *args):  # type: ignore[no-untyped-def]
         filled.extend((model_runner_output.num_filled_drafts or {}).values())
-        return roll_back(spec, model_runner_output, requests, stats)
+        return roll_back(spec, model_runner_output, *args)
 
     monkeypatch.setattr(scheduler_module, "roll_back_rejected", recording)
     return filled
@@ -231,35 +231,35 @@ def test_drafts_with_penalties_min_tokens_and_logprobs_change_nothing(tiny_model
 
 
 def test_drafts_that_keep_missing_pause_drafting() -> None:
-    """Consecutive misses pause a request's drafting 1, 2, 4 .. 16 steps, and a pause ends on a
-    probe of one draft; a hit ends it."""
+    """Consecutive misses pause a request's drafting up to 1, 2, 4 .. 64 steps, to the shared
+    clock's next multiple of the pause, which ends on a probe of one draft; a hit ends it."""
     request = SimpleNamespace(
         request_id="r",
-        draft_pause=0,
+        draft_resume_step=0,
         draft_misses=0,
         spec_token_ids=[],
-        max_num_tokens=100,
+        max_num_tokens=1000,
         num_tokens=10,
         num_prompt_tokens=5,
-        num_output_placeholders=0,
+        num_output_placeholders=1,  # a step in flight: slots, not looked up
         sampling_params=SamplingParams(),
         structured_output=None,
     )
     drafter = Drafter(SpeculativeConfig("ngram", 3))
-    pauses = []
-    for _ in range(7):
-        back_off(request, 0)
-        pauses.append(request.draft_pause)
-        for _ in range(request.draft_pause):
-            assert drafter.propose(request, 8, 0) == []  # paused: not even looked up
-        assert request.draft_pause == 0
-    assert pauses == [1, 2, 4, 8, 16, 16, 16]
-    request.num_output_placeholders = 1  # a step in flight: slots, not looked up
-    assert drafter.propose(request, 8, 0) == [DRAFT_PLACEHOLDER]  # the probe
-    back_off(request, 1)
+    resumes = []
+    for _ in range(9):
+        drafter.step += 5  # steps that did not draft for it
+        drafter.back_off(request, 0)
+        resumes.append(request.draft_resume_step)
+        while drafter.step < request.draft_resume_step:
+            assert drafter.propose(request, 8, 0) == []  # paused
+            drafter.end_step()
+        assert drafter.propose(request, 8, 0) == [DRAFT_PLACEHOLDER]  # the probe
+    assert resumes == [6, 12, 20, 32, 48, 64, 128, 192, 256]
+    drafter.back_off(request, 1)
     assert drafter.propose(request, 8, 0) == [DRAFT_PLACEHOLDER] * 3
-    back_off(request, 0)
-    assert request.draft_pause == 1
+    drafter.back_off(request, 0)
+    assert request.draft_resume_step == drafter.step + 1
 
 
 def test_ngram_proposals() -> None:
