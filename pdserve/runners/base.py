@@ -26,7 +26,7 @@ from pdserve.models.state_cache import (
 from pdserve.models.utils import KVCacheGeometry, kv_cache_geometry
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
 from pdserve.runners.draft_model import DraftModel
-from pdserve.runners.draft_slots import DraftSlots
+from pdserve.runners.draft_slots import DraftSlots, TokenTable
 from pdserve.runners.eagle import EagleProposer
 from pdserve.runners.inputs import StepInputs
 from pdserve.runners.prompt_logprobs import (
@@ -281,6 +281,20 @@ class ModelRunnerBase:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    def place_drafts(
+        self, spec: dict[str, list[int]], table: TokenTable, index: dict[str, int]
+    ) -> tuple[dict[str, list[int]], dict[str, int] | None]:
+        """The step's drafts to verify, each written after its request's known tokens in the
+        runner's token `table` (row `index[req_id]`), and how many placeholder slots got one
+        (runners/draft_slots.py)."""
+        if not spec:
+            return {}, None
+        assert self.draft_slots is not None
+        drafts, filled = self.draft_slots.fill(spec, lambda r: table.known_tokens(index[r]))
+        for req_id, own in drafts.items():
+            table.write_drafts(index[req_id], own)
+        return drafts, filled
 
     def max_num_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The most tokens a request may reach: its max_tokens, and max_model_len."""

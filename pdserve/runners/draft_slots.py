@@ -13,12 +13,22 @@ them rejected.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from pdserve.config.speculative import SpeculativeConfig
 from pdserve.scheduler.drafts import propose_ngram
 from pdserve.scheduler.output import DRAFT_PLACEHOLDER
+
+
+class TokenTable(Protocol):
+    """A runner's per-request token table (V1's InputBatch, V2's RequestStates)."""
+
+    def known_tokens(self, row: int) -> np.ndarray: ...
+
+    def write_drafts(self, row: int, drafts: list[int]) -> None:
+        """After the row's known tokens, not counted among them."""
 
 
 class DraftSlots:

@@ -78,6 +78,13 @@ class InputBatch:
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
+    def known_tokens(self, row: int) -> np.ndarray:
+        return self.token_ids[row, : self.num_tokens[row]]
+
+    def write_drafts(self, row: int, drafts: list[int]) -> None:
+        start = self.num_tokens[row]
+        self.token_ids[row, start : start + len(drafts)] = drafts
+
     def append_token(self, row: int, token_id: int) -> None:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1

@@ -94,17 +94,7 @@ class ModelRunnerV1(ModelRunnerBase):
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
         spec = so.scheduled_spec_decode_tokens or {}
-        drafts, filled = {}, None
-        if spec:
-            assert self.draft_slots is not None
-            index = batch.req_id_to_index
-            drafts, filled = self.draft_slots.fill(
-                spec, lambda r: batch.token_ids[index[r], : batch.num_tokens[index[r]]]
-            )
-        for req_id, own in drafts.items():  # scheduled after the request's known tokens
-            row = batch.req_id_to_index[req_id]
-            start = batch.num_tokens[row]
-            batch.token_ids[row, start : start + len(own)] = own
+        drafts, filled = self.place_drafts(spec, batch, batch.req_id_to_index)
         n = batch.num_reqs
         req_ids = list(batch.req_ids)
         num_scheduled = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)

@@ -103,13 +103,7 @@ class ModelRunnerV2(ModelRunnerBase):
         idx = np.array([states.req_id_to_index[r] for r in req_ids], dtype=np.int64)
         query_lens = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         spec = so.scheduled_spec_decode_tokens or {}
-        drafts, filled = {}, None
-        if spec:
-            assert self.draft_slots is not None
-            index = states.req_id_to_index
-            drafts, filled = self.draft_slots.fill(spec, lambda r: states.known_tokens(index[r]))
-            for req_id, own in drafts.items():  # scheduled after the request's known tokens
-                states.write_drafts(index[req_id], own)
+        drafts, filled = self.place_drafts(spec, states, states.req_id_to_index)
         # A request samples once its scheduled tokens reach the end of everything it knows.
         seq_lens = states.num_computed_tokens_np[idx] + query_lens
         sampling_pos = np.nonzero(seq_lens >= states.num_tokens[idx])[0]
