@@ -39,16 +39,20 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, min_n: int, max_n: int, k:
     length = len(tokens)
     if length < 2:
         return []
-    # Every earlier occurrence of a suffix ends on an earlier occurrence of the last token.
+    # The ends of the earlier occurrences of the 1-token suffix, then of the n-token one, as
+    # long as any is left: each pass keeps those whose token n back matches too.
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        candidates = ends[ends >= n - 1]
-        windows = tokens[candidates[:, None] - np.arange(n - 1, -1, -1)]
-        hits = candidates[(windows == tokens[length - n :]).all(axis=1)]
-        if hits.size:
-            start = int(hits[-1]) + 1
-            return tokens[start : start + k].tolist()
-    return []
+    n = 1
+    while n < min(max_n, length - 1):
+        longer = ends[ends >= n]
+        longer = longer[tokens[longer - n] == tokens[length - 1 - n]]
+        if not longer.size:
+            break
+        ends, n = longer, n + 1
+    if n < min_n or not ends.size:
+        return []
+    start = int(ends[-1]) + 1
+    return tokens[start : start + k].tolist()
 
 
 # A request whose drafts keep missing pauses drafting: up to 1, 2, 4 .. this many steps after
