@@ -15,7 +15,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.messages import EngineCoreRequest
 from pdserve.sampling_params import StructuredOutputsParams
 from pdserve.structured_output.grammar import compile_grammar
-from tests.utils.tiny_models import EOS_TOKEN_ID, hf_greedy_constrained
+from tests.unit.engine.test_eagle import eagle
+from tests.utils.tiny_models import EOS_TOKEN_ID, hf_greedy_constrained, make_tiny_eagle_head
 
 MAX_TOKENS = 40
 SCHEMA = {
@@ -78,14 +79,17 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
         ("v2", None, None),
         ("v2", False, None),
         ("v1", None, NGRAM),  # each draft position masked as if the drafts before it were out
+        ("v2", None, "eagle"),  # a random head: its guesses cut to what the grammar accepts
     ],
-    ids=["v1-async", "v1-sync", "v2-async", "v2-sync", "v1-ngram"],
+    ids=["v1-async", "v1-sync", "v2-async", "v2-sync", "v1-ngram", "v2-eagle"],
 )
 def test_greedy_matches_hf_under_each_constraint(
-    tiny_model, monkeypatch, runner, async_scheduling, spec
+    tiny_model, tmp_path, monkeypatch, runner, async_scheduling, spec
 ):
     monkeypatch.setenv("PDSERVE_USE_V2_MODEL_RUNNER", RUNNERS[runner])
     path = tiny_model("llama")
+    if spec == "eagle":
+        spec = eagle(make_tiny_eagle_head(tmp_path / "eagle"))
     with LLM(
         model=path,
         dtype="float32",
@@ -112,8 +116,10 @@ def test_greedy_matches_hf_under_each_constraint(
                 elif kind.startswith("json"):
                     json.loads(text)
             assert_pool_full(llm)
-        if spec is not None:
+        if spec is NGRAM:
             assert llm.engine_core.scheduler.spec_stats.num_accepted_tokens > 0
+        elif spec is not None:
+            assert llm.engine_core.scheduler.spec_stats.num_drafts > 0
 
 
 def test_terminating_constraints_end_with_a_match(tiny_model):
