@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from pdserve.models.state_cache import StateShapes
     from pdserve.models.utils import KVCacheGeometry
 
+QUANTIZATIONS = ("gguf", "none")
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -55,6 +56,12 @@ class ModelConfig:
         "sampling parameters; 'vllm': neither (EOS from the model config); or a folder to "
         "read it from",
     )
+    quantization: str | None = flag(
+        None,
+        "'gguf': a .gguf file's projections stay in their blocks (Q4_0, Q4_1, Q8_0), read by "
+        "a CPU kernel (docs/quantization.md); 'none' (or unset): dequantized to --dtype at load",
+        short="-q",
+    )
     max_logprobs: int = flag(
         20, "the most logprobs and prompt_logprobs a request may ask for (-1: no limit)"
     )
@@ -62,6 +69,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         # Imported here: the loader pulls in the model zoo, which config users may not need.
         from pdserve.models import loader, registry
+
+        if self.quantization is not None:
+            check_choice("quantization", self.quantization, QUANTIZATIONS)
 
         check_choice("dtype", self.dtype, ("auto", *_DTYPES))
         if self.generation_config not in ("auto", "vllm"):
@@ -84,6 +94,8 @@ class ModelConfig:
                 f"{info.unsupported_reason}."
             )
         self.architecture = info.architecture
+        if self.quantization == "gguf":
+            self._check_gguf_blocks()
         self.is_hybrid = info.is_hybrid
         self.is_attention_free = info.is_attention_free
         self.has_inner_state = info.has_inner_state
@@ -98,6 +110,43 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={derived}."
             )
+
+    def _check_gguf_blocks(self) -> None:
+        from pdserve.kernels import quant_linear
+
+        if self.source.kind != "gguf":
+            raise ValueError(
+                f"quantization='gguf' keeps a .gguf file's blocks; {str(self.source.path)!r} "
+                "is an HF folder."
+            )
+        if not quant_linear.available():
+            raise ValueError(
+                "quantization='gguf' needs the CPU kernel of kernels/quant_linear.py: a C++ "
+                "compiler and a CPU with AVX-512 VNNI and BF16, which this machine lacks; "
+                "--quantization none dequantizes the weights at load."
+            )
+
+    def check_placement(self, device: str, world_size: int) -> None:
+        """What runs GGUF blocks so far: one CPU worker."""
+        if self.quantization != "gguf":
+            return
+        if device == "cuda":
+            raise ValueError(
+                "quantization='gguf' on CUDA: the Triton dequantize-matmul is not built yet; "
+                "--quantization none dequantizes the weights at load."
+            )
+        if world_size > 1:
+            raise ValueError(
+                f"quantization='gguf' with {world_size} workers (tensor or pipeline parallel) "
+                "is not supported yet; --quantization none dequantizes the weights at load."
+            )
+
+    @property
+    def kept_gguf_types(self) -> tuple[int, ...]:
+        """The GGUF formats whose projections stay in their blocks (kernels/quant_linear.py)."""
+        from pdserve.kernels import quant_linear
+
+        return tuple(quant_linear.QTYPES.values()) if self.quantization == "gguf" else ()
 
     @property
     def runner_type(self) -> str:

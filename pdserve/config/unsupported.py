@@ -37,13 +37,6 @@ UNSUPPORTED_FEATURES: dict[str, UnsupportedFeature] = {
     for f in (
         UnsupportedFeature("enable_lora", "LoRA adapters", (False,), bool),
         UnsupportedFeature(
-            "quantization",
-            "quantized inference (a GGUF file's weights are dequantized at load)",
-            (None,),
-            str,
-            "-q",
-        ),
-        UnsupportedFeature(
             "runner", "runners other than 'generate' (pooling, draft)", ("auto", "generate"), str
         ),
         UnsupportedFeature("enable_prompt_embeds", "prompt embeddings as input", (False,), bool),

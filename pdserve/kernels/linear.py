@@ -26,6 +26,8 @@ from torch import nn
 from pdserve import envs
 from pdserve.kernels import backend
 from pdserve.kernels.cpu import native
+from pdserve.kernels.quant_linear import QuantWeight, quant_linear
+from pdserve.kernels.quant_linear import pack as pack_quant
 from pdserve.utils import cdiv
 
 if backend.HAS_TRITON:
@@ -124,12 +126,16 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    packed: PackedWeight | None,
+    packed: PackedWeight | QuantWeight | None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x W^T + b in the weight's dtype, or in `out_dtype` (float32 for logits: the kernel's
     float32 sums, not rounded to bf16 first). On CUDA, cuBLAS; under PDSERVE_BATCH_INVARIANT the
-    Triton matmul of triton/matmul.py, whose rows do not depend on the batch."""
+    Triton matmul of triton/matmul.py, whose rows do not depend on the batch. A weight kept in
+    GGUF blocks: in x's dtype (kernels/quant_linear.py)."""
+    if isinstance(packed, QuantWeight):
+        assert out_dtype in (None, x.dtype), "a quantized weight's output is in x's dtype"
+        return quant_linear(x, packed, bias)
     out_dtype = out_dtype or weight.dtype
     if packed is not None and x.numel():
         return _packed_linear(x, packed, bias, out_dtype)
@@ -158,7 +164,12 @@ def pack_linear_weights(model: nn.Module) -> int:
         # An embedding table (it has compute_logits) is a matmul only as the LM head.
         if hasattr(module, "compute_logits") and module is not lm_head:
             continue
-        if hasattr(module, "packed_weight") and can_pack(module.weight):
+        qtype = getattr(getattr(module, "weight", None), "gguf_qtype", None)
+        if hasattr(module, "packed_weight") and qtype is not None:
+            rows = module.weight.numpy()
+            module.packed_weight = pack_quant(rows, qtype, rows.shape[0], module.in_features)
+            num_packed += 1
+        elif hasattr(module, "packed_weight") and can_pack(module.weight):
             module.packed_weight = pack_weight(module.weight)
             num_packed += 1
         elif hasattr(module, "packed_experts") and can_pack(module.w13_weight):

@@ -82,8 +82,12 @@ class ModelRunnerBase:
 
     def load_model(self) -> None:
         mc = self.model_config
-        self.model = loader.load_model(mc.hf_config, mc.source, self.dtype, self.device)
+        self.model = loader.load_model(
+            mc.hf_config, mc.source, self.dtype, self.device, keep_quantized=mc.kept_gguf_types
+        )
         pack_linear_weights(self.model)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("Weights: %.1f MiB (quantization %s)", weight_bytes / 2**20, mc.quantization)
         # Read now: runner V2 may later wrap the model in its CUDA graphs.
         self.kv_cache_geometry = kv_cache_geometry(self.model)
         self.has_state = hasattr(self.model, "state_shapes")

@@ -7,6 +7,8 @@ checkpoints unchanged at any TP size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -16,6 +18,7 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from pdserve.kernels.linear import PackedWeight, linear
+from pdserve.kernels.quant_linear import BLOCK, QuantWeight, block_bytes
 from pdserve.models.utils import default_weight_loader, shard_sections, shard_tensor
 
 
@@ -34,19 +37,38 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        self.in_features, self.out_features = input_size, output_size
         self.weight = nn.Parameter(
             torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False
         )
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self._load
         if bias:
             self.bias = nn.Parameter(
                 torch.empty(output_size, dtype=params_dtype), requires_grad=False
             )
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = self._load
         else:
             self.register_parameter("bias", None)
-        # Set after loading where the weight can be packed (kernels/linear.py).
-        self.packed_weight: PackedWeight | None = None
+        # Set after loading where the weight can be packed (kernels/linear.py), or from its GGUF
+        # blocks (kernels/quant_linear.py).
+        self.packed_weight: PackedWeight | QuantWeight | None = None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id: Any) -> None:
+        """A checkpoint tensor into `param`; one kept in GGUF blocks (`gguf_qtype`) into rows of
+        bytes, which replace the dense weight at its first shard. The rows are output features
+        and a row's bytes are whole blocks of K, so the same sharding applies."""
+        qtype = getattr(loaded, "gguf_qtype", None)
+        if qtype is not None:
+            if self.weight.dtype != torch.uint8:
+                row_bytes = self.in_features // BLOCK * block_bytes(qtype)
+                self.weight = nn.Parameter(
+                    torch.empty(self.out_features, row_bytes, dtype=torch.uint8),
+                    requires_grad=False,
+                )
+                self.weight.weight_loader = self._load
+                self.weight.gguf_qtype = qtype
+            param = self.weight
+        self.weight_loader(param, loaded, *shard_id)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded)

@@ -54,9 +54,11 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device,
     model_cls: type[nn.Module] | None = None,
+    keep_quantized: tuple[int, ...] = (),
 ) -> nn.Module:
     """The registry's model class for `hf_config` (or `model_cls`: a draft head no one serves
-    alone), weights loaded, in eval mode on `device`."""
+    alone), weights loaded, in eval mode on `device`; a GGUF file's projections of the formats
+    in `keep_quantized` stay in their blocks (gguf.iterate_weights)."""
     start = time.perf_counter()
     if model_cls is None:
         model_cls = registry.get_model_class(
@@ -65,7 +67,7 @@ def load_model(
     # Parameters are created on the device, so weights are copied there once.
     with torch.device(device):
         model = model_cls(hf_config, dtype)
-    model.load_weights(_iterate_weights(source, hf_config))
+    model.load_weights(_iterate_weights(source, hf_config, keep_quantized))
     # Also moves any buffer a layer built on the CPU.
     model = model.to(device).eval().requires_grad_(False)
     logger.info(
@@ -79,8 +81,8 @@ def load_model(
 
 
 def _iterate_weights(
-    source: ModelSource, hf_config: PretrainedConfig
+    source: ModelSource, hf_config: PretrainedConfig, keep_quantized: tuple[int, ...]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if source.kind == "gguf":
-        return gguf.iterate_weights(source.path, hf_config)
+        return gguf.iterate_weights(source.path, hf_config, keep_quantized)
     return hf.iterate_weights(source.path)

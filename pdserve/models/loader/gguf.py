@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp): config and tokenizer from the metadata, weights dequantized.
+"""GGUF files (llama.cpp): config and tokenizer from the metadata, weights dequantized or, for
+the projections the CPU kernel reads in their blocks, kept as stored.
 
 The file layout is read with transformers' GGUF reader, which skips the vocabulary arrays that
 gguf's GGUFReader spends seconds parsing; gguf dequantizes.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,11 @@ _BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# The projections whose weights may stay quantized: their rows are output features.
+_PROJECTIONS = tuple(
+    f"{_BLOCK_TENSORS[kind]}.weight"
+    for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+)
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -105,24 +111,35 @@ def load_generation_config(path: Path) -> dict[str, Any]:
     return {k: v for k, v in ids.items() if v is not None}
 
 
-def iterate_weights(path: Path, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named float32 tensors, one at a time."""
+def iterate_weights(
+    path: Path, hf_config: PretrainedConfig, keep_quantized: Container[int] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named float32 tensors, one at a time; the projections' weights of a GGUF type in
+    `keep_quantized` as they are stored instead: uint8 rows of blocks (a row per output
+    feature), the type in the tensor's `gguf_qtype` attribute (kernels/quant_linear.py)."""
     header = GgufHeader.from_file(str(path))
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     for info in header.tensors:
         name = _hf_name(info.name, path)
         start = header.data_start + info.offset
         rows = math.prod(info.shape[:-1])
-        # dequantize takes one row of blocks per row of the tensor (HF's [out, in] order).
+        # One row of blocks per row of the tensor (HF's [out, in] order).
         raw = blob[start : start + info.nbytes].reshape(rows, info.nbytes // rows)
-        weights = dequantize(raw, GGMLQuantizationType(info.ggml_type)).reshape(info.shape)
+        quantized = info.ggml_type in keep_quantized and name.endswith(_PROJECTIONS)
+        if quantized:
+            weights = np.array(raw)  # a copy: the mmap's pages are read once, here
+        else:
+            weights = dequantize(raw, GGMLQuantizationType(info.ggml_type)).reshape(info.shape)
         if name.endswith("self_attn.q_proj.weight"):
             weights = _unpermute_rotary(weights, hf_config.num_attention_heads)
         elif name.endswith("self_attn.k_proj.weight"):
             weights = _unpermute_rotary(weights, hf_config.num_key_value_heads)
         if not weights.flags.writeable:  # float32 tensors come back as views of the mmap
             weights = weights.copy()
-        yield name, torch.from_numpy(weights)
+        tensor = torch.from_numpy(weights)
+        if quantized:
+            tensor.gguf_qtype = info.ggml_type
+        yield name, tensor
 
 
 def _hf_name(gguf_name: str, path: Path) -> str:

@@ -1,0 +1,66 @@
+"""`--quantization gguf`: the default model's projections kept in their GGUF blocks (Q4_1) and
+read by the CPU kernel (kernels/quant_linear.py). In float32 the kernel forms the dequantized
+path's products in its order, so the tokens and logprobs are the dequantized path's, bit for
+bit (and so HF's: tests/unit/models/test_loader.py); in bf16 the activations are quantized to
+int8 per block and the model still answers. Where the blocks cannot go, an error names it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.kernels.cpu import native
+from pdserve.kernels.quant_linear import QTYPES, QuantWeight
+
+needs_vnni = pytest.mark.skipif(
+    not native.compiler_available()
+    or not (native.cpu_has("avx512_vnni") and native.cpu_has("avx512_bf16")),
+    reason="no C++ compiler, or a CPU without AVX-512 VNNI and BF16",
+)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def _greedy(quantization: str, dtype: str) -> list[tuple[list[int], dict[int, float]]]:
+    """Each prompt's greedy tokens and the logprobs of its first token's top 5."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    with LLM(dtype=dtype, quantization=quantization, max_model_len=256) as llm:
+        runner = llm.engine_core.executor.worker.model_runner
+        qkv = runner.model.model.layers[0].self_attn.qkv_proj.packed_weight
+        assert isinstance(qkv, QuantWeight) is (quantization == "gguf")
+        if quantization == "gguf":
+            assert qkv.qtype == QTYPES["Q4_1"]
+        outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    return [
+        (list(o.token_ids), {t: lp.logprob for t, lp in o.logprobs[0].items()}) for o in outputs
+    ]
+
+
+@needs_vnni
+def test_float32_blocks_give_the_dequantized_bits() -> None:
+    assert _greedy("gguf", "float32") == _greedy("none", "float32")
+
+
+@needs_vnni
+def test_bf16_blocks_stay_near_the_dequantized_logprobs() -> None:
+    """int8 activations move the logits a little: the dequantized path's first token stays in
+    the top 5, its logprob within 0.5 (0.12 at most over 20 everyday chats, docs/quantization.md)."""
+    for (_, want), (_, got) in zip(_greedy("none", "bfloat16"), _greedy("gguf", "bfloat16")):
+        top = max(want, key=want.__getitem__)
+        assert top in got and abs(got[top] - want[top]) < 0.5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"quantization": "awq"}, "quantization must be one of 'gguf', 'none', got 'awq'"),
+        ({"quantization": "gguf", "model": "tiny"}, "keeps a .gguf file's blocks; .* is an HF"),
+        ({"quantization": "gguf", "device": "cuda"}, "on CUDA: the Triton dequantize-matmul"),
+        ({"quantization": "gguf", "tensor_parallel_size": 2}, "with 2 workers .* not supported"),
+    ],
+)
+def test_where_blocks_cannot_go_is_named(tiny_model, args, message) -> None:
+    if args.get("model") == "tiny":
+        args = {**args, "model": tiny_model("llama")}
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_engine_args(**args)
