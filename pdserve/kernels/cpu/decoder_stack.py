@@ -1,5 +1,5 @@
 """A Llama decoder stack's step in one call into csrc/decoder_cpu.cpp, in bf16 (AMX or
-AVX512-BF16).
+AVX512-BF16; projections kept in GGUF blocks through csrc/quant_linear.h).
 
 Per layer it runs what the model's per-layer path runs through cpu/norm_linear.py, the fused
 rotary + attention call and the packed linear: the same C code, so the same bits, without the
@@ -19,6 +19,7 @@ from pdserve.kernels import backend
 from pdserve.kernels.attention import AttentionMetadata, Geometry, as_int32
 from pdserve.kernels.cpu import native
 from pdserve.kernels.linear import BLOCK_K, PackedWeight
+from pdserve.kernels.quant_linear import QuantWeight
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -27,11 +28,14 @@ class _LayerWeights(ctypes.Structure):
     """Mirrors `LayerWeights` in csrc/decoder_cpu.cpp."""
 
     _fields_ = [
-        (name, _P)
-        for name in (
-            "input_norm", "qkv", "qkv_bias", "o", "o_bias",
-            "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
-        )
+        *(
+            (name, _P)
+            for name in (
+                "input_norm", "qkv", "qkv_bias", "o", "o_bias",
+                "post_norm", "gate_up", "gate_up_bias", "down", "down_bias",
+            )
+        ),
+        *((name, _I64) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")),
     ]  # fmt: skip
 
 
@@ -50,17 +54,18 @@ class _StackShape(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer as the stack reads it: norms' weights, bf16-packed projections."""
+    """One decoder layer as the stack reads it: norms' weights, projections bf16-packed or in
+    GGUF blocks."""
 
     input_norm: torch.Tensor
-    qkv: PackedWeight
+    qkv: PackedWeight | QuantWeight
     qkv_bias: torch.Tensor | None
-    o: PackedWeight
+    o: PackedWeight | QuantWeight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: PackedWeight
+    gate_up: PackedWeight | QuantWeight
     gate_up_bias: torch.Tensor | None
-    down: PackedWeight
+    down: PackedWeight | QuantWeight
     down_bias: torch.Tensor | None
 
 
@@ -97,6 +102,7 @@ class DecoderStack:
                     native.pointer(w.gate_up_bias),
                     native.pointer(w.down.data),
                     native.pointer(w.down_bias),
+                    *(_qtype(p) for p in (w.qkv, w.o, w.gate_up, w.down)),
                 )  # fmt: skip
                 for w in layers
             )
@@ -105,11 +111,13 @@ class DecoderStack:
 
     @staticmethod
     def available(layers: list[LayerWeights]) -> bool:
-        """Every projection bf16-packed with whole 32-k blocks, and the library built with
-        AVX512-BF16."""
+        """Every projection bf16-packed with whole 32-k blocks or in GGUF blocks, and the
+        library built with AVX512-BF16."""
         projections = [p for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)]
         if not layers or not all(
-            p.data.dtype == torch.bfloat16 and p.in_features % BLOCK_K == 0 for p in projections
+            isinstance(p, QuantWeight)
+            or (p.data.dtype == torch.bfloat16 and p.in_features % BLOCK_K == 0)
+            for p in projections
         ):
             return False
         lib = native.load("decoder_cpu")
@@ -184,3 +192,8 @@ class DecoderStack:
             torch.get_num_threads(),
         )
         return hidden_out, residual_out
+
+
+def _qtype(weight: PackedWeight | QuantWeight) -> int:
+    """The kernel's type of a projection: 0 bf16-packed, else its GGUF type."""
+    return weight.qtype if isinstance(weight, QuantWeight) else 0

@@ -1,7 +1,7 @@
 """Which stages the native decoder stack (kernels/cpu/decoder_stack.py) serves, and their weights
 gathered for it, by what their layers declare: `DecoderLayer`s of a `SelfAttention` without q/k
-norms and a `GatedMLP` (Llama, Qwen2, Mistral), bf16-packed projections on one TP rank, one
-RMSNorm epsilon throughout. Q/k norms (Qwen3), MoE MLPs and TP > 1 run their layers one by one."""
+norms and a `GatedMLP` (Llama, Qwen2, Mistral), projections bf16-packed or in GGUF blocks on one
+TP rank, one RMSNorm epsilon throughout. Q/k norms (Qwen3), MoE MLPs and TP > 1 run their layers one by one."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import torch
 
 from pdserve.kernels.cpu import native
 from pdserve.kernels.linear import pack_linear_weights
+from pdserve.kernels.quant_linear import QTYPES, QuantWeight
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_source
 from tests.utils.paged_batch import make_kv_cache, run_step
 from tests.utils.tiny_models import make_tiny_model
@@ -58,6 +59,27 @@ def test_stack_gives_the_layers_bits(arch: str, tmp_path: Path) -> None:
             for a, b in zip(got, expected, strict=True):
                 assert torch.equal(a, b)
     assert model.model._stack is not None  # the stack ran
+    assert torch.equal(kv_stack.cache, kv_layers.cache)
+
+
+@pytest.mark.skipif(not native.cpu_has("avx512_vnni"), reason="no AVX-512 VNNI on this CPU")
+def test_stack_gives_the_layers_bits_on_gguf_blocks() -> None:
+    """The default model with its projections kept in Q4_1 blocks (kernels/quant_linear.py)."""
+    source = resolve_model_source(None)
+    config = load_hf_config(source)
+    kept = tuple(QTYPES.values())
+    model = load_model(config, source, torch.bfloat16, "cpu", keep_quantized=kept)
+    pack_linear_weights(model)
+    assert isinstance(model.model.layers[0].mlp.down_proj.packed_weight, QuantWeight)
+    per_layer = copy.deepcopy(model)
+    per_layer.model._stack_checked = True
+    kv_stack = make_kv_cache(config, dtype=torch.bfloat16, num_blocks=64)
+    kv_layers = make_kv_cache(config, dtype=torch.bfloat16, num_blocks=64)
+    with torch.inference_mode():
+        for step in STEPS[:4]:
+            for a, b in zip(run_step(model, kv_stack, step), run_step(per_layer, kv_layers, step)):
+                assert torch.equal(a, b)
+    assert model.model._stack is not None
     assert torch.equal(kv_stack.cache, kv_layers.cache)
 
 

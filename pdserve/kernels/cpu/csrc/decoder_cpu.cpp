@@ -16,18 +16,20 @@
 #ifdef PDSERVE_AVX512_BF16
 namespace {
 
-// One layer's weights (packed by packed_linear.h; biases and the cache view as the model holds them).
+// One layer's weights (packed by packed_linear.h, or in GGUF blocks by quant_linear.h: each
+// projection's type, 0 for bf16; biases and the cache view as the model holds them).
 struct LayerWeights {
   const T* input_norm;
-  const T* qkv;
+  const void* qkv;
   const T* qkv_bias;
-  const T* o;
+  const void* o;
   const T* o_bias;
   const T* post_norm;
-  const T* gate_up;
+  const void* gate_up;
   const T* gate_up_bias;
-  const T* down;
+  const void* down;
   const T* down_bias;
+  int64_t qkv_type, o_type, gate_up_type, down_type;
 };
 
 struct StackShape {
@@ -66,19 +68,19 @@ void pdserve_decoder_layers(const LayerWeights* layers, T* const* caches, int64_
     if (l == 0 && residual == nullptr) {
       std::memcpy(stream.data(), x, m * d * sizeof(T));
       norm_linear(x, nullptr, d, 0, w.input_norm, s->eps, m, d, w.qkv, qkv_size, w.qkv_bias,
-                      nullptr, qkv.data(), num_threads);
+                  nullptr, qkv.data(), num_threads, int(w.qkv_type));
     } else {
       norm_linear(x, stream.data(), d, d, w.input_norm, s->eps, m, d, w.qkv, qkv_size,
-                      w.qkv_bias, stream.data(), qkv.data(), num_threads);
+                  w.qkv_bias, stream.data(), qkv.data(), num_threads, int(w.qkv_type));
     }
     rope_attend<BF16>(qkv.data(), qkv_size, positions, cos_sin, caches[l],
                       slot_mapping, m, g->block_size, block_table, query_start_loc, seq_lens,
                       attended.data(), num_reqs, num_threads, *g);
-    packed_linear(attended.data(), m, q_size, q_size, w.o, d, w.o_bias, projected.data(), d,
-               num_threads);
+    project(attended.data(), m, q_size, q_size, w.o, int(w.o_type), d, w.o_bias,
+            projected.data(), d, num_threads);
     norm_mlp(projected.data(), stream.data(), d, d, w.post_norm, s->eps, m, d, w.gate_up,
-                 w.gate_up_bias, s->intermediate, w.down, w.down_bias, stream.data(), out.data(),
-                 num_threads);
+             w.gate_up_bias, s->intermediate, w.down, w.down_bias, stream.data(), out.data(),
+             num_threads, int(w.gate_up_type), int(w.down_type));
     x = out.data();
   }
   std::memcpy(hidden_out, out.data(), m * d * sizeof(T));
