@@ -132,10 +132,9 @@ def linear(
     """x W^T + b in the weight's dtype, or in `out_dtype` (float32 for logits: the kernel's
     float32 sums, not rounded to bf16 first). On CUDA, cuBLAS; under PDSERVE_BATCH_INVARIANT the
     Triton matmul of triton/matmul.py, whose rows do not depend on the batch. A weight kept in
-    GGUF blocks: in x's dtype (kernels/quant_linear.py)."""
+    GGUF blocks: in x's dtype or float32 (kernels/quant_linear.py)."""
     if isinstance(packed, QuantWeight):
-        assert out_dtype in (None, x.dtype), "a quantized weight's output is in x's dtype"
-        return quant_linear(x, packed, bias)
+        return quant_linear(x, packed, bias, out_dtype)
     out_dtype = out_dtype or weight.dtype
     if packed is not None and x.numel():
         return _packed_linear(x, packed, bias, out_dtype)
@@ -164,8 +163,16 @@ def pack_linear_weights(model: nn.Module) -> int:
         # An embedding table (it has compute_logits) is a matmul only as the LM head.
         if hasattr(module, "compute_logits") and module is not lm_head:
             continue
+        blocks = getattr(module, "gguf_blocks", None)
         qtype = getattr(getattr(module, "weight", None), "gguf_qtype", None)
-        if hasattr(module, "packed_weight") and qtype is not None:
+        if blocks is not None:  # an LM head kept in its GGUF blocks
+            rows, block_type = blocks
+            module.packed_weight = pack_quant(
+                rows.numpy(), block_type, rows.shape[0], module.weight.shape[1]
+            )
+            module.gguf_blocks = None
+            num_packed += 1
+        elif hasattr(module, "packed_weight") and qtype is not None:
             rows = module.weight.numpy()
             module.packed_weight = pack_quant(rows, qtype, rows.shape[0], module.in_features)
             num_packed += 1

@@ -1,5 +1,5 @@
 """Linear layers on CPU with GGUF-quantized weights kept in their blocks (Q4_0, Q4_1, Q8_0),
-for csrc/quant_linear_cpu.cpp: packed once after loading, about 4.5-8.5 bits a weight read
+for csrc/quant_linear.h: packed once after loading, about 4.5-8.5 bits a weight read
 per step instead of bf16's 16.
 
 bf16 activations take llama.cpp's numerics: each row quantized per 32-k block to int8, integer
@@ -73,21 +73,30 @@ def pack(raw: np.ndarray, qtype: int, out_features: int, in_features: int) -> Qu
     return QuantWeight(data, qtype, out_features, in_features)
 
 
-def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b in x's dtype (float32 or bfloat16)."""
+def quant_linear(
+    x: torch.Tensor,
+    weight: QuantWeight,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x W^T + b in x's dtype (float32 or bfloat16), or in float32 (`out_dtype`: logits, the
+    float32 sums never rounded to bf16)."""
+    out_dtype = out_dtype or x.dtype
+    assert out_dtype in (x.dtype, torch.float32), out_dtype
     k, n = weight.in_features, weight.out_features
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], n), dtype=x.dtype)
+    out = torch.empty((x2.shape[0], n), dtype=out_dtype)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     fn = native.function(
-        "quant_linear_cpu", "pdserve_quant_linear", _INT, _P, _I64, _I64, _I64, _P, _INT, _I64,
-        _P, _P, _I64, _INT,
+        "quant_linear_cpu", "pdserve_quant_linear", _INT, _INT, _P, _I64, _I64, _I64, _P, _INT,
+        _I64, _P, _P, _I64, _INT,
     )  # fmt: skip
     fn(
         _DTYPES[x.dtype],
+        int(out_dtype == torch.float32),
         x2.data_ptr(),
         x2.shape[0],
         k,

@@ -13,6 +13,7 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from pdserve.kernels.linear import PackedWeight, linear
+from pdserve.kernels.quant_linear import QuantWeight
 from pdserve.models.utils import default_weight_loader
 from pdserve.utils import cdiv
 
@@ -36,8 +37,10 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(per_partition, embedding_dim, dtype=params_dtype), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
-        # Set after loading where the weight can be packed for the LM head (kernels/linear.py).
-        self.packed_weight: PackedWeight | None = None
+        # Set after loading where the weight can be packed for the LM head (kernels/linear.py),
+        # from its GGUF blocks where the checkpoint kept them (kernels/quant_linear.py).
+        self.packed_weight: PackedWeight | QuantWeight | None = None
+        self.gguf_blocks: tuple[torch.Tensor, int] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.dim() != 2 or loaded.shape[0] != self.num_embeddings:
@@ -48,6 +51,8 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.vocab_end - self.vocab_start
         default_weight_loader(param[:rows], loaded[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()
+        # One worker (config/model.py): the blocks are the whole vocabulary's.
+        self.gguf_blocks = getattr(loaded, "gguf_blocks", None)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -46,6 +46,7 @@ _BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 # The projections whose weights may stay quantized: their rows are output features.
 _PROJECTIONS = tuple(
     f"{_BLOCK_TENSORS[kind]}.weight"
@@ -116,7 +117,9 @@ def iterate_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named float32 tensors, one at a time; the projections' weights of a GGUF type in
     `keep_quantized` as they are stored instead: uint8 rows of blocks (a row per output
-    feature), the type in the tensor's `gguf_qtype` attribute (kernels/quant_linear.py)."""
+    feature), the type in the tensor's `gguf_qtype` attribute (kernels/quant_linear.py). An
+    embedding or LM head of such a type comes dequantized (the embedding reads rows) with its
+    blocks beside, in `gguf_blocks` (rows, type), for the LM head's matmul."""
     header = GgufHeader.from_file(str(path))
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     for info in header.tensors:
@@ -139,6 +142,8 @@ def iterate_weights(
         tensor = torch.from_numpy(weights)
         if quantized:
             tensor.gguf_qtype = info.ggml_type
+        elif info.ggml_type in keep_quantized and name in _VOCAB_TENSORS:
+            tensor.gguf_blocks = (torch.from_numpy(np.array(raw)), info.ggml_type)
         yield name, tensor
 
 

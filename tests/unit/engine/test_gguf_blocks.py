@@ -1,5 +1,5 @@
-"""`--quantization gguf`: the default model's projections kept in their GGUF blocks (Q4_1) and
-read by the CPU kernel (kernels/quant_linear.py). In float32 the kernel forms the dequantized
+"""`--quantization gguf`: the default model's projections kept in their GGUF blocks (Q4_1), and
+its LM head (Q8_0), read by the CPU kernel (kernels/quant_linear.py). In float32 the kernel forms the dequantized
 path's products in its order, so the tokens and logprobs are the dequantized path's, bit for
 bit (and so HF's: tests/unit/models/test_loader.py); in bf16 the activations are quantized to
 int8 per block and the model still answers. Where the blocks cannot go, an error names it."""
@@ -28,8 +28,10 @@ def _greedy(quantization: str, dtype: str) -> list[tuple[list[int], dict[int, fl
         runner = llm.engine_core.executor.worker.model_runner
         qkv = runner.model.model.layers[0].self_attn.qkv_proj.packed_weight
         assert isinstance(qkv, QuantWeight) is (quantization == "gguf")
+        head = runner.model.lm_head.packed_weight  # the tied embedding, Q8_0
+        assert isinstance(head, QuantWeight) is (quantization == "gguf")
         if quantization == "gguf":
-            assert qkv.qtype == QTYPES["Q4_1"]
+            assert (qkv.qtype, head.qtype) == (QTYPES["Q4_1"], QTYPES["Q8_0"])
         outputs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     return [
         (list(o.token_ids), {t: lp.logprob for t, lp in o.logprobs[0].items()}) for o in outputs

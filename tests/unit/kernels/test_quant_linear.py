@@ -48,24 +48,31 @@ def test_float32_gives_the_dequantized_kernels_bits(name: str, n: int, k: int) -
     assert torch.equal(quant_linear.quant_linear(x, weight, bias), want)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_bf16_within_the_bound_of_int8_activations(name: str, n: int, k: int) -> None:
+def test_bf16_within_the_bound_of_int8_activations(
+    name: str, n: int, k: int, out_dtype: torch.dtype
+) -> None:
     """Per block b of a row, xq = round(x / s_b) with s_b = max|x_b| / 127, so each x is off by
     at most s_b / 2 and y by sum_b (s_b / 2) sum_{k in b} |w_k|; then float32 sums over the
-    blocks (k * 2^-24 of sum |x w|) and one rounding to bf16 (2^-8 relative)."""
+    blocks (k * 2^-24 of sum |x w|) and one rounding to bf16 (2^-8 relative; none for float32
+    logits)."""
     raw, dequantized = quantized(name, n, k)
     weight = quant_linear.pack(raw, quant_linear.QTYPES[name], n, k)
     x = torch.randn(9, k).bfloat16()
     bias = torch.randn(n).bfloat16()
-    got = quant_linear.quant_linear(x, weight, bias).double()
+    got = quant_linear.quant_linear(x, weight, bias, out_dtype)
+    assert got.dtype == out_dtype
+    got = got.double()
     x64, w64 = x.double(), dequantized.double()
     exact = x64 @ w64.T + bias.double()
     scales = x64.view(9, -1, 32).abs().amax(dim=-1) / 127  # [rows, blocks]
     w_blocks = w64.abs().view(n, -1, 32).sum(dim=-1)  # [n, blocks]
     activation = scales / 2 @ w_blocks.T
     accumulation = k * 2.0**-24 * (x64.abs() @ w64.abs().T)
-    bound = activation + accumulation + (exact.abs() + activation) * 2.0**-8
+    rounding = 2.0**-8 if out_dtype == torch.bfloat16 else 0.0
+    bound = activation + accumulation + (exact.abs() + activation) * rounding
     assert bool(((got - exact).abs() <= bound).all())
     # The bound is not vacuous: the error is a visible fraction of it.
     assert (got - exact).abs().max() > 0.01 * bound.max()

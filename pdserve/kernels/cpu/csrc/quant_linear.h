@@ -228,13 +228,13 @@ inline void by_register_rows(int rows, Fn&& fn) {
 }
 
 // Rows of c (+ bias) into out, features [f0, min(f0 + 16, n)), rounded once to O.
-template <typename O>
-void store_panel(const float* c, int rows, int64_t f0, int64_t n, const O* bias, O* out,
+template <typename T, typename O>
+void store_panel(const float* c, int rows, int64_t f0, int64_t n, const T* bias, O* out,
                  int64_t stride_out) {
   const __mmask16 mask = pdserve::lanes(f0, n);
   __m512 bv = _mm512_setzero_ps();
   if (bias != nullptr) {
-    if constexpr (std::is_same_v<O, float>)
+    if constexpr (std::is_same_v<T, float>)
       bv = _mm512_maskz_loadu_ps(mask, bias + f0);
     else
       bv = pdserve::BF16::load16(bias + f0, mask);
@@ -251,9 +251,10 @@ void store_panel(const float* c, int rows, int64_t f0, int64_t n, const O* bias,
 // Rows per sweep over the panels: their quantized activations stay in L2.
 constexpr int64_t kQuantChunkM = 64;
 
-template <typename T>
+// O: the output's dtype, T's or float32 (logits).
+template <typename T, typename O>
 void quant_linear(const T* x, int64_t m, int64_t k, int64_t stride_x, const uint8_t* packed,
-                  int qtype, int64_t n, const T* bias, T* out, int64_t stride_out,
+                  int qtype, int64_t n, const T* bias, O* out, int64_t stride_out,
                   int num_threads) {
   const int64_t nb = k / kQK, num_panels = (n + kPanel - 1) / kPanel;
   const int64_t panel_bytes = nb * packed_block_bytes(qtype);
