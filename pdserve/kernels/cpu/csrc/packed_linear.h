@@ -284,6 +284,30 @@ inline bool amx_ready() {
 #endif
 }
 
+#ifdef PDSERVE_AVX512_BF16
+// Rows of 16 sums (c's rows `ldc` apart) + bias into out's features [f, min(f + 16, n)),
+// rounded once to O. Shared with quant_linear.h.
+template <typename T, typename O>
+void store16_rows(const float* c, int64_t ldc, int rows, int64_t f, int64_t n, const T* bias,
+                  O* out, int64_t stride_out) {
+  const __mmask16 mask = pdserve::lanes(f, n);
+  __m512 b = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    if constexpr (std::is_same_v<T, float>)
+      b = _mm512_maskz_loadu_ps(mask, bias + f);
+    else
+      b = BF16::load16(bias + f, mask);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * ldc), b);
+    if constexpr (std::is_same_v<O, float>)
+      _mm512_mask_storeu_ps(out + r * stride_out + f, mask, v);
+    else
+      BF16::store16(out + r * stride_out + f, v, mask);
+  }
+}
+#endif
+
 // Rows r of c (+ bias) into out's rows, features [f0, min(f0 + 32, n)): rounded once to O.
 template <typename T, typename O>
 void store_rows(const float* c, int rows, int64_t f0, int64_t n, const T* bias, O* out,
@@ -292,24 +316,8 @@ void store_rows(const float* c, int rows, int64_t f0, int64_t n, const T* bias, 
   using KO = std::conditional_t<std::is_same_v<O, float>, F32, BF16>;
   const int64_t width = n - f0 < kBlockN ? n - f0 : kBlockN;
 #ifdef PDSERVE_AVX512_BF16
-  for (int half = 0; half < 2 && half * 16 < width; ++half) {
-    const int64_t f = f0 + half * 16;
-    const __mmask16 mask = pdserve::lanes(f, n);
-    __m512 b = _mm512_setzero_ps();
-    if (bias != nullptr) {
-      if constexpr (std::is_same_v<T, float>)
-        b = _mm512_maskz_loadu_ps(mask, bias + f);
-      else
-        b = BF16::load16(bias + f, mask);
-    }
-    for (int r = 0; r < rows; ++r) {
-      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * kBlockN + half * 16), b);
-      if constexpr (std::is_same_v<O, float>)
-        _mm512_mask_storeu_ps(out + r * stride_out + f, mask, v);
-      else
-        BF16::store16(out + r * stride_out + f, v, mask);
-    }
-  }
+  for (int half = 0; half < 2 && half * 16 < width; ++half)
+    store16_rows(c + half * 16, kBlockN, rows, f0 + half * 16, n, bias, out, stride_out);
   return;
 #endif
   for (int r = 0; r < rows; ++r)

@@ -30,6 +30,7 @@
 
 #include "dtypes.h"
 #include "elementwise.h"
+#include "packed_linear.h"
 
 namespace {
 
@@ -227,27 +228,6 @@ inline void by_register_rows(int rows, Fn&& fn) {
   }
 }
 
-// Rows of c (+ bias) into out, features [f0, min(f0 + 16, n)), rounded once to O.
-template <typename T, typename O>
-void store_panel(const float* c, int rows, int64_t f0, int64_t n, const T* bias, O* out,
-                 int64_t stride_out) {
-  const __mmask16 mask = pdserve::lanes(f0, n);
-  __m512 bv = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    if constexpr (std::is_same_v<T, float>)
-      bv = _mm512_maskz_loadu_ps(mask, bias + f0);
-    else
-      bv = pdserve::BF16::load16(bias + f0, mask);
-  }
-  for (int r = 0; r < rows; ++r) {
-    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * kPanel), bv);
-    if constexpr (std::is_same_v<O, float>)
-      _mm512_mask_storeu_ps(out + r * stride_out + f0, mask, v);
-    else
-      pdserve::BF16::store16(out + r * stride_out + f0, v, mask);
-  }
-}
-
 // Rows per sweep over the panels: their quantized activations stay in L2.
 constexpr int64_t kQuantChunkM = 64;
 
@@ -286,7 +266,7 @@ void quant_linear(const T* x, int64_t m, int64_t k, int64_t stride_x, const uint
                              nb, panel, qtype, c);
           else
             dot_rows_exact<R>(x + row * stride_x, stride_x, nb, panel, qtype, c);
-          store_panel(c, R, p * kPanel, n, bias, out + row * stride_out, stride_out);
+          store16_rows(c, kPanel, R, p * kPanel, n, bias, out + row * stride_out, stride_out);
         });
       }
     }
