@@ -47,11 +47,11 @@ _BLOCK_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
-# The projections whose weights may stay quantized: their rows are output features.
-_PROJECTIONS = tuple(
-    f"{_BLOCK_TENSORS[kind]}.weight"
-    for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-)
+# The projections whose weights may stay quantized (their rows are output features), in the
+# groups a model merges into one matmul: a group stays in blocks only where its tensors share
+# one kept format.
+_PROJECTION_GROUPS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"),
+                      ("ffn_down",))  # fmt: skip
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -122,13 +122,14 @@ def iterate_weights(
     blocks beside, in `gguf_blocks` (rows, type), for the LM head's matmul."""
     header = GgufHeader.from_file(str(path))
     blob = np.memmap(path, mode="r", dtype=np.uint8)
+    kept = _kept_projections({t.name: t.ggml_type for t in header.tensors}, keep_quantized)
     for info in header.tensors:
         name = _hf_name(info.name, path)
         start = header.data_start + info.offset
         rows = math.prod(info.shape[:-1])
         # One row of blocks per row of the tensor (HF's [out, in] order).
         raw = blob[start : start + info.nbytes].reshape(rows, info.nbytes // rows)
-        quantized = info.ggml_type in keep_quantized and name.endswith(_PROJECTIONS)
+        quantized = info.name in kept
         if quantized:
             weights = np.array(raw)  # a copy: the mmap's pages are read once, here
         else:
@@ -145,6 +146,24 @@ def iterate_weights(
         elif info.ggml_type in keep_quantized and name in _VOCAB_TENSORS:
             tensor.gguf_blocks = (torch.from_numpy(np.array(raw)), info.ggml_type)
         yield name, tensor
+
+
+def _kept_projections(types: dict[str, int], keep_quantized: Container[int]) -> set[str]:
+    """The GGUF names of the projections that stay in blocks: each group's tensors of one
+    layer in one kept format."""
+    kept: set[str] = set()
+    for name in types:
+        match = _BLOCK_TENSOR.fullmatch(name)
+        if match is None or match.group(3) != "weight":
+            continue
+        layer, kind = match.group(1), match.group(2)
+        for group in _PROJECTION_GROUPS:
+            if kind in group:
+                members = [f"blk.{layer}.{k}.weight" for k in group]
+                formats = {types.get(m) for m in members}
+                if len(formats) == 1 and formats <= set(keep_quantized):
+                    kept.add(name)
+    return kept
 
 
 def _hf_name(gguf_name: str, path: Path) -> str:

@@ -12,6 +12,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.kernels.cpu import native
 from pdserve.kernels.quant_linear import QTYPES, QuantWeight
+from pdserve.models.loader.gguf import _kept_projections
 
 needs_vnni = pytest.mark.skipif(
     not native.compiler_available()
@@ -66,3 +67,19 @@ def test_where_blocks_cannot_go_is_named(tiny_model, args, message) -> None:
         args = {**args, "model": tiny_model("llama")}
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_engine_args(**args)
+
+
+def test_a_merged_projection_stays_in_blocks_only_in_one_format() -> None:
+    """q/k/v and gate/up load into one matmul each: a group of mixed formats (llama.cpp's
+    K-quant mixes) or one outside the kernel's is dequantized whole."""
+    q4_1, q8_0, q6_k = QTYPES["Q4_1"], QTYPES["Q8_0"], 14
+    types = {
+        **{f"blk.0.attn_{k}.weight": t for k, t in (("q", q4_1), ("k", q4_1), ("v", q8_0))},
+        "blk.0.attn_output.weight": q4_1,
+        "blk.0.ffn_gate.weight": q8_0,
+        "blk.0.ffn_up.weight": q8_0,
+        "blk.0.ffn_down.weight": q6_k,
+        "blk.0.attn_norm.weight": 0,
+    }
+    kept = _kept_projections(types, tuple(QTYPES.values()))
+    assert kept == {"blk.0.attn_output.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"}
