@@ -203,6 +203,7 @@ def compatibility_factors(
     transport: str,
     state_layout: str,
     drafter: str,
+    quantization: str,
 ) -> dict[str, str | int]:
     """Both sides of a transfer must agree on all of these, or the bytes mean nothing.
 
@@ -210,7 +211,8 @@ def compatibility_factors(
     with the KV heads counted over the TP group (EngineConfig checks that TP divides them), so
     that instances of different TP sizes agree. A state model's block ends in rows of state
     (models/state_cache.py), counted in num_layers; `state_layout` says what they hold. So
-    are a draft model's layers (runners/draft_model.py), which `drafter` names."""
+    are a draft model's layers (runners/draft_model.py), which `drafter` names. `quantization`:
+    weights in GGUF blocks compute other KV (and tokens) than dequantized ones."""
     _, num_layers, parts, block_size, num_kv_heads, head_dim = kv_cache.shape
     return {
         "pdserve_version": pdserve.__version__,
@@ -229,6 +231,7 @@ def compatibility_factors(
         "state_layout": f"{state_layout} over TP {tp_size}" if state_layout else "none",
         # The decode side's drafter reads the draft KV the prefill side's computed.
         "drafter": drafter,
+        "quantization": quantization,
     }
 
 

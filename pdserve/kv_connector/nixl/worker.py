@@ -73,6 +73,7 @@ class NixlConnectorWorker:
         self.state_layout = config.model_config.state_layout
         spec = config.speculative_config
         self.drafter = "none" if spec is None else spec.drafter_layout
+        self.quantization = config.model_config.quantization or "none"
         self.enforce_handshake_compat = kv.enforce_handshake_compat
         self.host_staging = kv.uses_host_staging(config.device)
         self.host_buffer_blocks = kv.host_buffer_blocks
@@ -126,6 +127,7 @@ class NixlConnectorWorker:
             self.transport_name,
             self.state_layout,
             self.drafter,
+            self.quantization,
         )
         self.compat_hash = compatibility_hash(self.compat_factors)
         region = kv_cache

@@ -403,12 +403,24 @@ def test_a_decode_drafter_the_prefill_side_lacks_fails_the_handshake(
     decode = kv_config(model, "kv_consumer", "kv_consumer", kv_lease_duration=LEASE)
     spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
     decode.speculative_config = SpeculativeConfig.from_any(spec)
-    decode.scheduler_config.async_scheduling = False  # as EngineConfig would leave it
     decode.speculative_config.check_engine(
         decode.model_config, decode.scheduler_config, decode.parallel_config
     )
     why = handshake_refusal(prefill, decode, serve)
     assert "drafter: prefill none, decode draft_model LlamaForCausalLM of 2 layers" in why
+
+
+def test_weights_in_gguf_blocks_on_one_side_only_fail_the_handshake(
+    model: str, serve: Callable[..., int], clock: Clock
+) -> None:
+    """Weights in GGUF blocks compute other KV than dequantized ones: the decode side refuses
+    a prefill side that differs, naming both (set here past ModelConfig's own checks, which
+    ask for a .gguf file)."""
+    prefill = kv_config(model, "kv_producer", "kv_producer", kv_lease_duration=LEASE)
+    decode = kv_config(model, "kv_consumer", "kv_consumer", kv_lease_duration=LEASE)
+    decode.model_config.quantization = "gguf"
+    why = handshake_refusal(prefill, decode, serve)
+    assert "quantization: prefill none, decode gguf" in why
 
 
 @transports
