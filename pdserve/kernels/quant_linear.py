@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.kernels import backend
 from pdserve.kernels.cpu import native
 
 # ggml's type ids of the formats the kernel reads.
@@ -36,10 +35,6 @@ class QuantWeight:
     out_features: int
     in_features: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
 
 def block_bytes(qtype: int) -> int:
     """A GGUF block's bytes (32 weights) in format `qtype`."""
@@ -52,10 +47,6 @@ def available() -> bool:
     dequantized at load, as before)."""
     lib = native.load("quant_linear_cpu")
     return lib is not None and lib.pdserve_quant_linear_available() == 1
-
-
-def can_pack(qtype: int, device: torch.device) -> bool:
-    return qtype in _BLOCK_BYTES and backend.use_cpu_kernels(device) and available()
 
 
 def pack(raw: np.ndarray, qtype: int, out_features: int, in_features: int) -> QuantWeight:
