@@ -14,6 +14,7 @@ from pdserve.kv_connector.transport.base import MemoryKind
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.config import EngineConfig
     from pdserve.kv_connector.transport.base import Transport
 
 logger = logging.getLogger(__name__)
@@ -196,14 +197,20 @@ def send(transport: Transport, agent: str, msg: msgspec.Struct) -> bool:
         return False
 
 
+def model_factors(config: EngineConfig) -> dict[str, str]:
+    """What the engine's configuration adds to the compatibility factors: the architecture, a
+    state model's state rows, a drafter's KV layers and the weights' quantization."""
+    mc, spec = config.model_config, config.speculative_config
+    return {
+        "architecture": mc.architecture,
+        "state_layout": mc.state_layout,
+        "drafter": "none" if spec is None else spec.drafter_layout,
+        "quantization": mc.quantization or "none",
+    }
+
+
 def compatibility_factors(
-    architecture: str,
-    kv_cache: torch.Tensor,
-    tp_size: int,
-    transport: str,
-    state_layout: str,
-    drafter: str,
-    quantization: str,
+    kv_cache: torch.Tensor, tp_size: int, transport: str, model: dict[str, str]
 ) -> dict[str, str | int]:
     """Both sides of a transfer must agree on all of these, or the bytes mean nothing.
 
@@ -219,7 +226,7 @@ def compatibility_factors(
         "connector_version": NIXL_CONNECTOR_VERSION,
         # 2 parts: a key and a value per KV head; 1: a latent (MLA), the same on every rank.
         "kv_layout": KV_LAYOUT.format(parts=parts),
-        "architecture": architecture,
+        "architecture": model["architecture"],
         "dtype": str(kv_cache.dtype).removeprefix("torch."),
         "total_kv_heads": num_kv_heads * (tp_size if parts == 2 else 1),
         "head_dim": head_dim,
@@ -228,10 +235,12 @@ def compatibility_factors(
         "transport": transport,
         # A rank's state rows hold its share of the channels: equal TP sizes only (vLLM's rule
         # for hybrid models).
-        "state_layout": f"{state_layout} over TP {tp_size}" if state_layout else "none",
+        "state_layout": (
+            f"{model['state_layout']} over TP {tp_size}" if model["state_layout"] else "none"
+        ),
         # The decode side's drafter reads the draft KV the prefill side's computed.
-        "drafter": drafter,
-        "quantization": quantization,
+        "drafter": model["drafter"],
+        "quantization": model["quantization"],
     }
 
 

@@ -40,6 +40,7 @@ from pdserve.kv_connector.nixl.metadata import (
     SaveReqMeta,
     compatibility_factors,
     compatibility_hash,
+    model_factors,
     send,
 )
 from pdserve.kv_connector.nixl.push import PushReceiver, PushSender
@@ -69,11 +70,7 @@ class NixlConnectorWorker:
         self.lease_duration = kv.kv_lease_duration
         self.handshake_timeout = kv.handshake_timeout
         self.transport_name = kv.transport
-        self.architecture = config.model_config.architecture
-        self.state_layout = config.model_config.state_layout
-        spec = config.speculative_config
-        self.drafter = "none" if spec is None else spec.drafter_layout
-        self.quantization = config.model_config.quantization or "none"
+        self.model_factors = model_factors(config)
         self.enforce_handshake_compat = kv.enforce_handshake_compat
         self.host_staging = kv.uses_host_staging(config.device)
         self.host_buffer_blocks = kv.host_buffer_blocks
@@ -121,13 +118,7 @@ class NixlConnectorWorker:
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
         self.compat_factors = compatibility_factors(
-            self.architecture,
-            kv_cache,
-            self.tp_size,
-            self.transport_name,
-            self.state_layout,
-            self.drafter,
-            self.quantization,
+            kv_cache, self.tp_size, self.transport_name, self.model_factors
         )
         self.compat_hash = compatibility_hash(self.compat_factors)
         region = kv_cache
