@@ -19,7 +19,7 @@ import httpx
 import openai
 
 PROMPTS = [
-    "What is the capital of France?",
+    "What is the capital of Germany?",
     "Name three primary colors.",
     "Write one sentence about the ocean.",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from pdserve.models.state_cache import StateShapes
     from pdserve.models.utils import KVCacheGeometry
 
+logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("gguf", "none")
 _DTYPES = {
     "float32": torch.float32,
@@ -59,7 +61,8 @@ class ModelConfig:
     quantization: str | None = flag(
         None,
         "'gguf': a .gguf file's projections stay in their blocks (Q4_0, Q4_1, Q8_0), read by "
-        "a CPU kernel (docs/quantization.md); 'none' (or unset): dequantized to --dtype at load",
+        "a CPU kernel (docs/quantization.md); 'none': dequantized to --dtype at load; unset: "
+        "'gguf' for a .gguf file where the kernel runs (one CPU worker), else 'none'",
         short="-q",
     )
     max_logprobs: int = flag(
@@ -70,6 +73,9 @@ class ModelConfig:
         # Imported here: the loader pulls in the model zoo, which config users may not need.
         from pdserve.models import loader, registry
 
+        # Unset, a .gguf file is served as stored where its kernel runs (vLLM: a GGUF path
+        # implies --quantization gguf); check_placement falls back where it does not.
+        self.quantization_implied = self.quantization is None
         if self.quantization is not None:
             check_choice("quantization", self.quantization, QUANTIZATIONS)
 
@@ -94,6 +100,8 @@ class ModelConfig:
                 f"{info.unsupported_reason}."
             )
         self.architecture = info.architecture
+        if self.quantization_implied:
+            self.quantization = "gguf" if self.source.kind == "gguf" else "none"
         if self.quantization == "gguf":
             self._check_gguf_blocks()
         self.is_hybrid = info.is_hybrid
@@ -120,6 +128,10 @@ class ModelConfig:
                 "is an HF folder."
             )
         if not quant_linear.available():
+            if self.quantization_implied:
+                logger.info("GGUF weights dequantized at load: no AVX-512 VNNI/BF16 kernel here")
+                self.quantization = "none"
+                return
             raise ValueError(
                 "quantization='gguf' needs the CPU kernel of kernels/quant_linear.py: a C++ "
                 "compiler and a CPU with AVX-512 VNNI and BF16, which this machine lacks; "
@@ -131,15 +143,18 @@ class ModelConfig:
         if self.quantization != "gguf":
             return
         if device == "cuda":
-            raise ValueError(
-                "quantization='gguf' on CUDA: the Triton dequantize-matmul is not built yet; "
-                "--quantization none dequantizes the weights at load."
-            )
-        if world_size > 1:
-            raise ValueError(
-                f"quantization='gguf' with {world_size} workers (tensor or pipeline parallel) "
-                "is not supported yet; --quantization none dequantizes the weights at load."
-            )
+            missing = "on CUDA: the Triton dequantize-matmul is not built yet"
+        elif world_size > 1:
+            missing = f"with {world_size} workers (tensor or pipeline parallel): not supported yet"
+        else:
+            return
+        if self.quantization_implied:
+            logger.info("GGUF weights dequantized at load: blocks %s", missing)
+            self.quantization = "none"
+            return
+        raise ValueError(
+            f"quantization='gguf' {missing}; --quantization none dequantizes the weights at load."
+        )
 
     @property
     def kept_gguf_types(self) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from pdserve.config.args import add_engine_args, engine_kwargs
 
 DEMO_PROMPTS = [
-    "What is the capital of France? Answer in one sentence.",
+    "What is the capital of Germany? Answer in one sentence.",
     "Name three primary colors.",
     "Write one sentence about the ocean.",
 ]

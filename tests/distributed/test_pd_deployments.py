@@ -172,9 +172,9 @@ def test_decode_killed_under_load(tiny_model: Callable[[str], str]) -> None:
 
 def test_default_model_through_proxy_matches_single_instance() -> None:
     """bf16, the default model: the split under concurrent load answers each prompt with the
-    tokens a single instance gives it alone (batch invariance), and knows Paris."""
+    tokens a single instance gives it alone (batch invariance), and knows Berlin."""
     prompts = [
-        "What is the capital of France?",
+        "What is the capital of Germany?",
         "Name three primary colors.",
         "Count to five.",
         "Write one sentence about the ocean.",
@@ -194,7 +194,7 @@ def test_default_model_through_proxy_matches_single_instance() -> None:
         ]
     finally:
         single.stop()
-    assert "Paris" in answers[0].message.content
+    assert "Berlin" in answers[0].message.content
     expected = [a.model_extra["token_ids"] for a in answers]
     with RemoteServer(["launch", "--pd-min-uncached-tokens", "0"], startup_timeout=900) as proxy:
         client = proxy.client(timeout=300)

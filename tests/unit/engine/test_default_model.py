@@ -6,23 +6,25 @@ import subprocess
 import sys
 
 from pdserve import LLM, SamplingParams
+from pdserve.kernels import quant_linear
 
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of Germany?"
 
 
-def test_default_model_knows_paris():
-    # The first token is a near tie ("The" 0.16 above "L" in float32 logits): logits rounded to
-    # bf16 came out level and argmax took "L'Étoile, ..."; HF's bf16 answers Paris, as pdserve
-    # does with the LM head's float32 logits, through LLM here and the CLI below (the split in
-    # tests/distributed/test_pd_deployments.py).
+def test_default_model_served_as_stored():
+    # Not France's capital: its first token is a near tie ("The" 0.16 above "L" in float32
+    # logits) that the stored Q4_1 model served as stored answers "L'Étoile, ..." (llama.cpp on
+    # the same file too), and dequantized to bf16 "Paris" (docs/quantization.md).
     with LLM(max_model_len=512) as llm:
-        assert llm.config.model_config.source.kind == "gguf"
+        mc = llm.config.model_config
+        assert mc.source.kind == "gguf"
+        assert mc.quantization == ("gguf" if quant_linear.available() else "none")
         out = llm.chat(
             [{"role": "user", "content": QUESTION}],
             SamplingParams(max_tokens=24, temperature=0),
             use_tqdm=False,
         )
-    assert "Paris" in out[0].outputs[0].text
+    assert "Berlin" in out[0].outputs[0].text
     result = subprocess.run(
         [sys.executable, "-m", "pdserve.entrypoints.cli", "generate", "--prompt", QUESTION],
         capture_output=True,
@@ -30,7 +32,7 @@ def test_default_model_knows_paris():
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout
+    assert "Berlin" in result.stdout
 
 
 def test_cli_generate(tiny_model):

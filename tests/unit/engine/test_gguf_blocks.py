@@ -69,6 +69,20 @@ def test_where_blocks_cannot_go_is_named(tiny_model, args, message) -> None:
         EngineConfig.from_engine_args(**args)
 
 
+@pytest.mark.parametrize(
+    ("args", "implied"),
+    [
+        pytest.param({}, "gguf", marks=needs_vnni),
+        ({"device": "cuda"}, "none"),
+        ({"pipeline_parallel_size": 2}, "none"),
+    ],
+)
+def test_unset_serves_the_blocks_where_they_run(args, implied) -> None:
+    """vLLM's rule, a GGUF file implies gguf, where pdserve's blocks run; else dequantized."""
+    config = EngineConfig.from_engine_args(**args)
+    assert config.model_config.quantization == implied
+
+
 def test_a_merged_projection_stays_in_blocks_only_in_one_format() -> None:
     """q/k/v and gate/up load into one matmul each: a group of mixed formats (llama.cpp's
     K-quant mixes) or one outside the kernel's is dequantized whole."""
