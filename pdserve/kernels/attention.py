@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import backend
 from pdserve.kernels.cpu import native
+from pdserve.kernels.kv_cache import FP8_FORMATS, UNIT_SCALE, KVScale, dequantize_kv, inverse
 from pdserve.utils import cdiv
 
 if backend.HAS_TRITON:
@@ -50,6 +51,7 @@ def paged_attention_torch(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache.
 
@@ -73,6 +75,8 @@ def paged_attention_torch(
     num_kv_heads = kv_cache.shape[3]
     key = kv_cache[:, 0].index_select(0, block_ids).view(num_reqs, max_kv, num_kv_heads, head_dim)
     value = kv_cache[:, 1].index_select(0, block_ids).view(num_reqs, max_kv, num_kv_heads, head_dim)
+    key = dequantize_kv(key, query.dtype, kv_scale[0])
+    value = dequantize_kv(value, query.dtype, kv_scale[1])
 
     qsl = md.query_start_loc[: num_reqs + 1].long()
     query_lens = qsl[1:] - qsl[:-1]
@@ -132,7 +136,15 @@ class Geometry(ctypes.Structure):
             "stride_slot",
             "stride_block_table",
         )
-    ] + [("scale", ctypes.c_float), ("window", ctypes.c_int64), ("softcap", ctypes.c_float)]
+    ] + [
+        ("scale", ctypes.c_float),
+        ("window", ctypes.c_int64),
+        ("softcap", ctypes.c_float),
+        ("k_scale", ctypes.c_float),
+        ("v_scale", ctypes.c_float),
+        ("inv_k_scale", ctypes.c_float),
+        ("inv_v_scale", ctypes.c_float),
+    ]
 
     @classmethod
     def of(
@@ -146,6 +158,7 @@ class Geometry(ctypes.Structure):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        kv_scale: KVScale = UNIT_SCALE,
     ) -> Geometry:
         """The kernel's view of a layer's cache (checked to be one), and of the batch's tables."""
         assert kv_cache.stride(4) == 1 and kv_cache.stride(3) == head_dim, (
@@ -167,6 +180,8 @@ class Geometry(ctypes.Structure):
             scale,
             window,
             softcap,
+            *kv_scale,
+            *(inverse(s) for s in kv_scale),
         )
 
 
@@ -177,8 +192,11 @@ def _cpu_kernel() -> ctypes._CFuncPtr | None:
         return None
     fn = lib.pdserve_paged_attention
     pointers = [ctypes.c_void_p] * 6
-    fn.argtypes = [ctypes.c_int, *pointers, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(Geometry)]
-    fn.restype = None
+    fn.argtypes = [
+        ctypes.c_int, ctypes.c_int, *pointers, ctypes.c_int64, ctypes.c_int,
+        ctypes.POINTER(Geometry),
+    ]  # fmt: skip
+    fn.restype = ctypes.c_int
     return fn
 
 
@@ -189,13 +207,16 @@ def paged_attention_cpu(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> torch.Tensor | None:
     """The C++ kernel of csrc/paged_attention_cpu.cpp: reads keys and values through the block
     table in place, every query token against its keys in order whatever the batch (batch
     invariance: SDPA's padded tiles are not the default for any batch). None where it does not
-    apply (dtype, no compiler)."""
+    apply (dtype, no compiler; an fp8 cache: a CPU without AVX-512 BF16, a head size not a
+    multiple of 32, groups of more than 8 query heads)."""
     dtype = _CPU_DTYPES.get(query.dtype)
-    if dtype is None:
+    cache_format = FP8_FORMATS.get(kv_cache.dtype, 0)
+    if dtype is None or (cache_format == 0 and kv_cache.dtype != query.dtype):
         return None
     kernel = _cpu_kernel()
     if kernel is None:
@@ -205,11 +226,13 @@ def paged_attention_cpu(
         query = query.contiguous()
     out = query.new_empty(md.num_actual_tokens, num_heads, head_dim)
     geometry = Geometry.of(
-        kv_cache, md, num_heads, head_dim, query.stride(0), out.stride(0), scale, window, softcap
-    )
+        kv_cache, md, num_heads, head_dim, query.stride(0), out.stride(0), scale, window, softcap,
+        kv_scale,
+    )  # fmt: skip
     qsl, seq_lens = as_int32(md.query_start_loc), as_int32(md.seq_lens)
-    kernel(
+    ran = kernel(
         dtype,
+        cache_format,
         query.data_ptr(),
         kv_cache.data_ptr(),
         md.block_table.data_ptr(),
@@ -220,7 +243,7 @@ def paged_attention_cpu(
         torch.get_num_threads(),
         ctypes.byref(geometry),
     )
-    return out
+    return out if ran else None
 
 
 def as_int32(t: torch.Tensor) -> torch.Tensor:
@@ -239,6 +262,7 @@ def rope_attention_cpu(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> torch.Tensor | None:
     """A layer's attention from its q/k/v projection [T, (num_heads + 2 kv heads) head_dim] in one
     native call: rotary embedding, the cache write, paged attention, each the same code as its
@@ -248,13 +272,14 @@ def rope_attention_cpu(
         return None
     if md.num_actual_tokens != qkv.shape[0]:
         return None
-    if qkv.dim() != 2 or qkv.stride(1) != 1 or kv_cache.dtype != torch.bfloat16:
+    cache_format = FP8_FORMATS.get(kv_cache.dtype, 0)
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or (not cache_format and kv_cache.dtype != qkv.dtype):
         return None
     if md.slot_mapping.dtype != torch.int64 or not backend.use_cpu_kernels(qkv.device):
         return None
     fn = native.function(
-        "paged_attention_cpu", "pdserve_rope_attention", _P, _I64, _P, _P, _P, _P, _I64, _P, _P,
-        _P, _P, _I64, ctypes.c_int, ctypes.POINTER(Geometry),
+        "paged_attention_cpu", "pdserve_rope_attention", ctypes.c_int, _P, _I64, _P, _P, _P, _P,
+        _I64, _P, _P, _P, _P, _I64, ctypes.c_int, ctypes.POINTER(Geometry), restype=ctypes.c_int,
     )  # fmt: skip
     if fn is None:
         return None
@@ -263,10 +288,11 @@ def rope_attention_cpu(
     slot_mapping = md.slot_mapping.contiguous()
     out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
     geometry = Geometry.of(
-        kv_cache, md, num_heads, head_dim, 0, out.stride(0), scale, window, softcap
+        kv_cache, md, num_heads, head_dim, 0, out.stride(0), scale, window, softcap, kv_scale
     )
     qsl, seq_lens = as_int32(md.query_start_loc), as_int32(md.seq_lens)
-    fn(
+    ran = fn(
+        cache_format,
         qkv.data_ptr(),
         qkv.stride(0),
         positions.data_ptr(),
@@ -282,7 +308,7 @@ def rope_attention_cpu(
         torch.get_num_threads(),
         ctypes.byref(geometry),
     )
-    return out
+    return out if ran else None
 
 
 def paged_attention(
@@ -292,15 +318,19 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache;
     returns [md.num_actual_tokens, num_heads, head_dim] in the query's dtype. `window`: a query
     sees its last `window` keys, itself included (0: all); `softcap`: scores become
-    softcap * tanh(score / softcap) before the softmax (0: not)."""
+    softcap * tanh(score / softcap) before the softmax (0: not); `kv_scale`: an fp8 cache's
+    (k_scale, v_scale) (kv_cache.py)."""
     if backend.use_triton(query.device):
-        return paged_attention_triton(query, kv_cache, md, scale, window=window, softcap=softcap)
+        return paged_attention_triton(
+            query, kv_cache, md, scale, window=window, softcap=softcap, kv_scale=kv_scale
+        )
     if backend.use_cpu_kernels(query.device):
-        out = paged_attention_cpu(query, kv_cache, md, scale, window, softcap)
+        out = paged_attention_cpu(query, kv_cache, md, scale, window, softcap, kv_scale)
         if out is not None:
             return out
-    return paged_attention_torch(query, kv_cache, md, scale, window, softcap)
+    return paged_attention_torch(query, kv_cache, md, scale, window, softcap, kv_scale)

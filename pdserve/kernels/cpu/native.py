@@ -106,12 +106,14 @@ def pointer(t: torch.Tensor | None) -> int | None:
 
 
 @functools.cache
-def function(name: str, symbol: str, *argtypes: type) -> ctypes._CFuncPtr | None:
+def function(
+    name: str, symbol: str, *argtypes: type, restype: type | None = None
+) -> ctypes._CFuncPtr | None:
     """`symbol` of csrc/<name>.cpp with its argument types, or None where it cannot be built."""
     lib = load(name)
     if lib is None:
         return None
     fn = getattr(lib, symbol)
     fn.argtypes = list(argtypes)
-    fn.restype = None
+    fn.restype = restype
     return fn

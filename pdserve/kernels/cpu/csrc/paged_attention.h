@@ -14,6 +14,7 @@
 
 #include "dtypes.h"
 #include "elementwise.h"
+#include "fp8.h"
 #include "kv_cache.h"
 
 namespace {
@@ -92,6 +93,10 @@ struct Geometry {
   // softcap * tanh(score / softcap) before the softmax (0: not).
   int64_t window;
   float softcap;
+  // An fp8 cache's keys and values are their codes times these (kernels/kv_cache.py), and are
+  // stored times the reciprocals, computed by the caller: fast math would let the compiler
+  // approximate a division here.
+  float k_scale, v_scale, inv_k_scale, inv_v_scale;
 };
 
 // The first of a query's `num_keys` causal keys that its window lets it see.
@@ -240,16 +245,18 @@ inline void score16_bf16(const uint16_t* q, const uint16_t* key, int64_t key_str
 // The head's rows of a block's keys (or values) on their way to the cache while the block
 // before them is worked on: blocks lie anywhere, so the hardware's stream prefetch stops at
 // each block's end.
-inline void prefetch_block(const uint16_t* rows, const Geometry& g) {
+template <typename T>
+inline void prefetch_block(const T* rows, const Geometry& g) {
   for (int64_t i = 0; i < g.block_size; ++i)
-    for (int64_t d = 0; d < g.head_dim; d += 32)
+    for (int64_t d = 0; d < g.head_dim; d += 64 / sizeof(T))
       _mm_prefetch(reinterpret_cast<const char*>(rows + i * g.stride_slot + d), _MM_HINT_T0);
 }
 
 // acc[h * dim + c..] += sum_t p[h][t] * value_t[c..] for CH 16-column chunks from column c, all
-// keys, the G heads' sums in registers.
-template <int G, int CH>
-inline void accumulate_values(const uint16_t* cache, const int32_t* table, int64_t first,
+// keys, the G heads' sums in registers. C: the cache's format (BF16, or fp8.h's, whose loads
+// give value / kFactor).
+template <typename C, int G, int CH>
+inline void accumulate_values(const typename C::T* cache, const int32_t* table, int64_t first,
                               int64_t num_keys, const Geometry& g, int64_t kv_head, int64_t c,
                               const float* scores, float* acc) {
   const int64_t seen = num_keys - first;
@@ -257,15 +264,15 @@ inline void accumulate_values(const uint16_t* cache, const int32_t* table, int64
   for (int h = 0; h < G; ++h)
     for (int j = 0; j < CH; ++j) sums[h][j] = _mm512_setzero_ps();
   for (int64_t t = first, b = first / g.block_size; t < num_keys; ++b) {
-    const uint16_t* value = cache + int64_t(table[b]) * g.stride_block + g.stride_kv +
-                            kv_head * g.head_dim + c + (t - b * g.block_size) * g.stride_slot;
+    const typename C::T* value = cache + int64_t(table[b]) * g.stride_block + g.stride_kv +
+                                 kv_head * g.head_dim + c + (t - b * g.block_size) * g.stride_slot;
     if (c == 0 && (b + 1) * g.block_size < num_keys)  // the later passes find them cached
       prefetch_block(cache + int64_t(table[b + 1]) * g.stride_block + g.stride_kv +
                          kv_head * g.head_dim,
                      g);
     for (const int64_t end = std::min((b + 1) * g.block_size, num_keys); t < end; ++t) {
       __m512 v[CH];
-      for (int j = 0; j < CH; ++j) v[j] = BF16::load16(value + 16 * j);
+      for (int j = 0; j < CH; ++j) v[j] = C::load16(value + 16 * j);
       value += g.stride_slot;
       for (int h = 0; h < G; ++h) {
         const __m512 p = _mm512_set1_ps(scores[h * seen + t - first]);
@@ -277,35 +284,57 @@ inline void accumulate_values(const uint16_t* cache, const int32_t* table, int64
     for (int j = 0; j < CH; ++j) _mm512_storeu_ps(acc + h * g.head_dim + c + 16 * j, sums[h][j]);
 }
 
-template <int G>
-void accumulate_all_values(const uint16_t* cache, const int32_t* table, int64_t first,
+template <typename C, int G>
+void accumulate_all_values(const typename C::T* cache, const int32_t* table, int64_t first,
                            int64_t num_keys, const Geometry& g, int64_t kv_head,
                            const float* scores, float* acc) {
   // As many columns per pass as keep the sums in registers: G * CH of 32 zmm.
   constexpr int CH = G <= 4 ? 4 : 2;
   int64_t c = 0;
   for (; c + 16 * CH <= g.head_dim; c += 16 * CH)
-    accumulate_values<G, CH>(cache, table, first, num_keys, g, kv_head, c, scores, acc);
+    accumulate_values<C, G, CH>(cache, table, first, num_keys, g, kv_head, c, scores, acc);
   for (; c < g.head_dim; c += 16)
-    accumulate_values<G, 1>(cache, table, first, num_keys, g, kv_head, c, scores, acc);
+    accumulate_values<C, G, 1>(cache, table, first, num_keys, g, kv_head, c, scores, acc);
 }
 
-void attend_bf16(const uint16_t* query, const uint16_t* cache, const int32_t* block_table,
+// n keys of an fp8 cache, `stride` apart, as bf16 rows of `dim` in `tile`: exact (an fp8 code
+// over kFactor has few enough bits), so vdpbf16ps scores them as it scores a bf16 cache.
+template <typename C>
+inline void keys_to_bf16(const uint8_t* key, int64_t stride, int64_t n, int64_t dim,
+                         uint16_t* tile) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < dim; d += 32) {
+      const __m512 lo = C::load16(key + i * stride + d), hi = C::load16(key + i * stride + d + 16);
+      _mm512_storeu_si512(tile + i * dim + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// C: the cache's format, BF16 or fp8.h's (whose codes load as value / kFactor: the factor and
+// the layer's scales fold into the score's scale and the output's).
+template <typename C>
+void attend_bf16(const uint16_t* query, const typename C::T* cache, const int32_t* block_table,
                  const int32_t* query_start_loc, const int32_t* seq_lens, uint16_t* out,
                  int64_t num_reqs, int num_threads, const Geometry& g) {
+  using T = typename C::T;
+  constexpr bool kFp8 = !std::is_same_v<C, BF16>;
   const int64_t group = g.num_heads / g.num_kv_heads, dim = g.head_dim;
-  using Accumulate = void (*)(const uint16_t*, const int32_t*, int64_t, int64_t,
-                              const Geometry&, int64_t, const float*, float*);
+  using Accumulate = void (*)(const T*, const int32_t*, int64_t, int64_t, const Geometry&,
+                              int64_t, const float*, float*);
   static constexpr Accumulate kAccumulate[8] = {
-      accumulate_all_values<1>, accumulate_all_values<2>, accumulate_all_values<3>,
-      accumulate_all_values<4>, accumulate_all_values<5>, accumulate_all_values<6>,
-      accumulate_all_values<7>, accumulate_all_values<8>};
+      accumulate_all_values<C, 1>, accumulate_all_values<C, 2>, accumulate_all_values<C, 3>,
+      accumulate_all_values<C, 4>, accumulate_all_values<C, 5>, accumulate_all_values<C, 6>,
+      accumulate_all_values<C, 7>, accumulate_all_values<C, 8>};
   const Accumulate accumulate = kAccumulate[group - 1];
+  float key_scale = g.scale, out_scale = 1.f;
+  if constexpr (kFp8) {
+    key_scale = g.scale * g.k_scale * C::kFactor;
+    out_scale = g.v_scale * C::kFactor;
+  }
   const std::vector<TokenRun> runs = token_runs(query_start_loc, num_reqs);
   const int64_t num_items = int64_t(runs.size()) * g.num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
   {
-  std::vector<uint16_t> q(group * dim);
+  std::vector<uint16_t> q(group * dim), tile(kFp8 ? 16 * dim : 0);
   std::vector<float> acc(group * dim), scores;
   // A run's KV heads on one thread, one after the other: they share each slot's cache
   // lines, so the lines one head brought in serve the next.
@@ -325,14 +354,20 @@ void attend_bf16(const uint16_t* query, const uint16_t* cache, const int32_t* bl
       std::memcpy(q.data(), query + token * g.stride_q_token + kv_head * group * dim,
                   group * dim * sizeof(uint16_t));
       for (int64_t t = first, b = first / g.block_size; t < num_keys; ++b) {
-        const uint16_t* key = cache + int64_t(table[b]) * g.stride_block + kv_head * dim +
-                              (t - b * g.block_size) * g.stride_slot;
+        const T* key = cache + int64_t(table[b]) * g.stride_block + kv_head * dim +
+                       (t - b * g.block_size) * g.stride_slot;
         if ((b + 1) * g.block_size < num_keys)
           prefetch_block(cache + int64_t(table[b + 1]) * g.stride_block + kv_head * dim, g);
         for (const int64_t end = std::min((b + 1) * g.block_size, num_keys); t < end;) {
           const int64_t n = std::min<int64_t>(16, end - t);
-          score16_bf16(q.data(), key, g.stride_slot, n, group, dim, g.scale, &scores[t - first],
-                       seen);
+          if constexpr (kFp8) {
+            keys_to_bf16<C>(key, g.stride_slot, n, dim, tile.data());
+            score16_bf16(q.data(), tile.data(), dim, n, group, dim, key_scale, &scores[t - first],
+                         seen);
+          } else {
+            score16_bf16(q.data(), key, g.stride_slot, n, group, dim, key_scale,
+                         &scores[t - first], seen);
+          }
           key += n * g.stride_slot;
           t += n;
         }
@@ -342,7 +377,10 @@ void attend_bf16(const uint16_t* query, const uint16_t* cache, const int32_t* bl
       accumulate(cache, table, first, num_keys, g, kv_head, scores.data(), acc.data());
       for (int64_t h = 0; h < group; ++h) {
         uint16_t* dst = out + token * g.stride_out_token + (kv_head * group + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = BF16::store(acc[h * dim + d]);
+        if constexpr (kFp8)
+          for (int64_t d = 0; d < dim; ++d) dst[d] = BF16::store(acc[h * dim + d] * out_scale);
+        else
+          for (int64_t d = 0; d < dim; ++d) dst[d] = BF16::store(acc[h * dim + d]);
       }
     }
   }
@@ -357,8 +395,8 @@ void attend_any(const typename K::T* query, const typename K::T* cache, const in
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if constexpr (std::is_same_v<K, BF16>) {
     if (g.head_dim % 32 == 0 && g.num_heads / g.num_kv_heads <= 8) {
-      attend_bf16(query, cache, block_table, query_start_loc, seq_lens, out, num_reqs,
-                  num_threads, g);
+      attend_bf16<BF16>(query, cache, block_table, query_start_loc, seq_lens, out, num_reqs,
+                        num_threads, g);
       return;
     }
   }
@@ -368,10 +406,11 @@ void attend_any(const typename K::T* query, const typename K::T* cache, const in
 
 // A layer's attention from its q/k/v projection: rotate q and k (elementwise.h's rotary), store
 // k and v at their slots (kv_cache.h's write), attend. The same bits as the three kernels, in
-// one call: qkv [tokens, (num_heads + 2 num_kv_heads) head_dim], rows `stride_qkv` apart.
-template <typename K>
+// one call: qkv [tokens, (num_heads + 2 num_kv_heads) head_dim], rows `stride_qkv` apart. C: the
+// cache's format, K's own or (bf16 activations, AVX-512 BF16) an fp8 one.
+template <typename K, typename C = K>
 void rope_attend(const typename K::T* qkv, int64_t stride_qkv, const int64_t* positions,
-                 const typename K::T* cos_sin, typename K::T* cache, const int64_t* slot_mapping,
+                 const typename K::T* cos_sin, typename C::T* cache, const int64_t* slot_mapping,
                  int64_t num_tokens, int64_t block_size, const int32_t* block_table,
                  const int32_t* query_start_loc, const int32_t* seq_lens, typename K::T* out,
                  int64_t num_reqs, int num_threads, Geometry g) {
@@ -387,12 +426,22 @@ void rope_attend(const typename K::T* qkv, int64_t stride_qkv, const int64_t* po
                      dim, stride_qkv, dim, num_threads);
   const pdserve::KVStrides s{kv_size, dim, stride_qkv, dim,
                              g.stride_block, g.stride_kv, g.stride_slot, dim};
-  pdserve::write_kv(k.data(), qkv + q_size + kv_size, cache, slot_mapping, num_tokens,
-                    g.num_kv_heads, dim * int64_t(sizeof(T)), block_size, sizeof(T), s,
-                    num_threads);
   g.stride_q_token = q_size;
-  attend_any<K>(q.data(), cache, block_table, query_start_loc, seq_lens, out, num_reqs,
-                num_threads, g);
+  if constexpr (std::is_same_v<C, K>) {
+    pdserve::write_kv(k.data(), qkv + q_size + kv_size, cache, slot_mapping, num_tokens,
+                      g.num_kv_heads, dim * int64_t(sizeof(T)), block_size, sizeof(T), s,
+                      num_threads);
+    attend_any<K>(q.data(), cache, block_table, query_start_loc, seq_lens, out, num_reqs,
+                  num_threads, g);
+  } else {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    pdserve::write_kv_fp8<K, C>(k.data(), qkv + q_size + kv_size, cache, slot_mapping, num_tokens,
+                                g.num_kv_heads, dim, block_size, s, g.inv_k_scale, g.inv_v_scale,
+                                num_threads);
+    attend_bf16<C>(q.data(), cache, block_table, query_start_loc, seq_lens, out, num_reqs,
+                   num_threads, g);
+#endif
+  }
 }
 
 }  // namespace
