@@ -59,6 +59,7 @@ class ModelRunnerBase:
         self.model_config = config.model_config
         self.device = device
         self.dtype = self.model_config.torch_dtype
+        self.kv_dtype = config.cache_config.kv_dtype(self.dtype)
         self.block_size = config.cache_config.block_size
         self.max_model_len = self.model_config.max_model_len
         self.max_num_reqs = config.scheduler_config.max_num_seqs
@@ -117,22 +118,23 @@ class ModelRunnerBase:
         )
 
     def get_kv_cache_block_bytes(self) -> int:
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+        element_size = torch.empty((), dtype=self.kv_dtype).element_size()
         return math.prod(self._kv_cache_shape(1)) * element_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One block-major tensor: block b of every layer is contiguous (cheap to transfer)."""
         shape = self._kv_cache_shape(num_blocks)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         num_layers = self.kv_cache_geometry.num_layers
         self.kv_caches = _layer_views(self.kv_cache, 0, num_layers)
         if self.draft is not None:
             self.draft.kv_caches = _layer_views(self.kv_cache, num_layers, self.draft.num_layers)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
             num_blocks,
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+            str(self.kv_dtype).removeprefix("torch."),
         )
         if self.has_state:
             rows = self.kv_cache[:, num_layers:]

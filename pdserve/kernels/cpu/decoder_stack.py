@@ -18,6 +18,7 @@ import torch
 from pdserve.kernels import backend
 from pdserve.kernels.attention import AttentionMetadata, Geometry, as_int32
 from pdserve.kernels.cpu import native
+from pdserve.kernels.kv_cache import FP8_FORMATS, KVScale, inverse
 from pdserve.kernels.linear import BLOCK_K, PackedWeight
 from pdserve.kernels.quant_linear import QuantWeight
 
@@ -67,6 +68,7 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: PackedWeight | QuantWeight
     down_bias: torch.Tensor | None
+    kv_scale: KVScale  # an fp8 cache's (k_scale, v_scale)
 
 
 class DecoderStack:
@@ -108,6 +110,9 @@ class DecoderStack:
             )
         )
         self._caches: tuple[list[int], ctypes.Array] | None = None
+        self.kv_scales = (_F * (4 * len(layers)))(
+            *(x for w in layers for x in (*w.kv_scale, *(inverse(s) for s in w.kv_scale)))
+        )
 
     @staticmethod
     def available(layers: list[LayerWeights]) -> bool:
@@ -154,12 +159,20 @@ class DecoderStack:
         ):
             return None
         cache = kv_caches[0]
-        if cache.dtype != torch.bfloat16 or md.slot_mapping.dtype != torch.int64:
+        cache_format = FP8_FORMATS.get(cache.dtype, 0)
+        if not cache_format and cache.dtype != torch.bfloat16:
+            return None
+        # fp8 codes are attended on the vector path only (csrc/paged_attention_cpu.cpp).
+        group = self.num_heads // self.shape.num_kv_heads
+        if cache_format and (self.head_dim % 32 or group > 8):
+            return None
+        if md.slot_mapping.dtype != torch.int64:
             return None
         if not backend.use_cpu_kernels(hidden.device) or len(kv_caches) != len(self.layers):
             return None
         fn = native.function(
-            "decoder_cpu", "pdserve_decoder_layers", _P, _P, _I64, ctypes.POINTER(_StackShape),
+            "decoder_cpu", "pdserve_decoder_layers", _P, _P, _INT, _P, _I64,
+            ctypes.POINTER(_StackShape),
             ctypes.POINTER(Geometry), _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _INT,
         )  # fmt: skip
         geometry = Geometry.of(
@@ -174,6 +187,8 @@ class DecoderStack:
         fn(
             self.weights,
             self._cache_pointers(kv_caches),
+            cache_format,
+            self.kv_scales,
             len(self.layers),
             ctypes.byref(self.shape),
             ctypes.byref(geometry),

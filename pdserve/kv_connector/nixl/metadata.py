@@ -198,11 +198,13 @@ def send(transport: Transport, agent: str, msg: msgspec.Struct) -> bool:
 
 
 def model_factors(config: EngineConfig) -> dict[str, str]:
-    """What the engine's configuration adds to the compatibility factors: the architecture, a
-    state model's state rows, a drafter's KV layers and the weights' quantization."""
+    """What the engine's configuration adds to the compatibility factors: the architecture, the
+    activations' dtype, a state model's state rows, a drafter's KV layers and the weights'
+    quantization."""
     mc, spec = config.model_config, config.speculative_config
     return {
         "architecture": mc.architecture,
+        "dtype": str(mc.torch_dtype).removeprefix("torch."),
         "state_layout": mc.state_layout,
         "drafter": "none" if spec is None else spec.drafter_layout,
         "quantization": mc.quantization or "none",
@@ -219,7 +221,9 @@ def compatibility_factors(
     that instances of different TP sizes agree. A state model's block ends in rows of state
     (models/state_cache.py), counted in num_layers; `state_layout` says what they hold. So
     are a draft model's layers (runners/draft_model.py), which `drafter` names. `quantization`:
-    weights in GGUF blocks compute other KV (and tokens) than dequantized ones."""
+    weights in GGUF blocks compute other KV (and tokens) than dequantized ones. The cache's
+    dtype (fp8 or the activations') and the activations' are two factors: each changes the
+    bytes."""
     _, num_layers, parts, block_size, num_kv_heads, head_dim = kv_cache.shape
     return {
         "pdserve_version": pdserve.__version__,
@@ -227,7 +231,8 @@ def compatibility_factors(
         # 2 parts: a key and a value per KV head; 1: a latent (MLA), the same on every rank.
         "kv_layout": KV_LAYOUT.format(parts=parts),
         "architecture": model["architecture"],
-        "dtype": str(kv_cache.dtype).removeprefix("torch."),
+        "dtype": model["dtype"],
+        "kv_cache_dtype": str(kv_cache.dtype).removeprefix("torch."),
         "total_kv_heads": num_kv_heads * (tp_size if parts == 2 else 1),
         "head_dim": head_dim,
         "num_layers": num_layers,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels.attention import AttentionMetadata, paged_attention
-from pdserve.kernels.kv_cache import write_kv_cache
+from pdserve.kernels.kv_cache import UNIT_SCALE, KVScale, write_kv_cache
 
 
 class Attention(nn.Module):
@@ -35,6 +35,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.window = window
         self.softcap = softcap
+        # An fp8 cache's (k_scale, v_scale): vLLM's default, 1.0 (checkpoint scales: not yet).
+        self.kv_scale: KVScale = UNIT_SCALE
 
     def forward(
         self,
@@ -46,8 +48,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """query [T, num_heads, head_dim], key/value [T, num_kv_heads, head_dim] -> [T, num_heads,
         head_dim]. Rows past attn_metadata.num_actual_tokens (batch padding) come back zero."""
-        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
-        out = paged_attention(query, kv_cache, attn_metadata, self.scale, self.window, self.softcap)
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping, self.kv_scale)
+        out = paged_attention(
+            query, kv_cache, attn_metadata, self.scale, self.window, self.softcap, self.kv_scale
+        )
         if out.shape[0] == query.shape[0]:
             return out
         padded = query.new_zeros(query.shape)

@@ -175,6 +175,7 @@ class SelfAttention(nn.Module):
                 self.attn.scale,
                 self.attn.window,
                 self.attn.softcap,
+                self.attn.kv_scale,
             )
             if out is not None:
                 return self.o_proj(out)

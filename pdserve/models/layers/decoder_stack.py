@@ -41,6 +41,7 @@ def _stack_weights(layer: nn.Module) -> LayerWeights | None:
         mlp.gate_up_proj.bias,
         mlp.down_proj.packed_weight,
         mlp.down_proj.bias,
+        attn.attn.kv_scale,
     )
 
 

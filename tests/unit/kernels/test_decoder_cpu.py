@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve.kernels.cpu import native
+from pdserve.kernels.cpu.decoder_stack import DecoderStack
 from pdserve.kernels.linear import pack_linear_weights
 from pdserve.kernels.quant_linear import QTYPES, QuantWeight
 from pdserve.models.loader import load_hf_config, load_model, resolve_model_source
@@ -63,8 +64,19 @@ def test_stack_gives_the_layers_bits(arch: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not native.cpu_has("avx512_vnni"), reason="no AVX-512 VNNI on this CPU")
-def test_stack_gives_the_layers_bits_on_gguf_blocks() -> None:
-    """The default model with its projections kept in Q4_1 blocks (kernels/quant_linear.py)."""
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2], ids=str
+)
+def test_stack_gives_the_layers_bits_on_gguf_blocks(
+    cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default model with its projections kept in Q4_1 blocks (kernels/quant_linear.py),
+    over a bf16 or an fp8 KV cache (csrc/fp8.h)."""
+    ran = []
+    forward = DecoderStack.forward
+    monkeypatch.setattr(
+        DecoderStack, "forward", lambda *a, **k: ran.append(forward(*a, **k)) or ran[-1]
+    )
     source = resolve_model_source(None)
     config = load_hf_config(source)
     kept = tuple(QTYPES.values())
@@ -73,14 +85,14 @@ def test_stack_gives_the_layers_bits_on_gguf_blocks() -> None:
     assert isinstance(model.model.layers[0].mlp.down_proj.packed_weight, QuantWeight)
     per_layer = copy.deepcopy(model)
     per_layer.model._stack_checked = True
-    kv_stack = make_kv_cache(config, dtype=torch.bfloat16, num_blocks=64)
-    kv_layers = make_kv_cache(config, dtype=torch.bfloat16, num_blocks=64)
+    kv_stack = make_kv_cache(config, dtype=cache_dtype, num_blocks=64)
+    kv_layers = make_kv_cache(config, dtype=cache_dtype, num_blocks=64)
     with torch.inference_mode():
         for step in STEPS[:4]:
             for a, b in zip(run_step(model, kv_stack, step), run_step(per_layer, kv_layers, step)):
                 assert torch.equal(a, b)
-    assert model.model._stack is not None
-    assert torch.equal(kv_stack.cache, kv_layers.cache)
+    assert ran and all(out is not None for out in ran)  # the stack took every step
+    assert torch.equal(kv_stack.cache.view(torch.uint8), kv_layers.cache.view(torch.uint8))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2_moe"])

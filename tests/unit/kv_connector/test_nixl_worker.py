@@ -328,7 +328,7 @@ def test_incompatible_cache_fails_the_handshake(
     (why,) = d.take_load_errors().values()
     assert why.endswith(
         f"compatibility hash mismatch (prefill {p.compat_hash}, decode {d.compat_hash}): "
-        "dtype: prefill float32, decode float16"
+        "kv_cache_dtype: prefill float32, decode float16"
     )
     assert "127.0.0.1" not in why
 

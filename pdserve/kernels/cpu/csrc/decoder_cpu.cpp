@@ -37,6 +37,33 @@ struct StackShape {
   float eps, scale;
 };
 
+// rope_attend over a cache of the layer's format and scales.
+void attend_layer(int cache_format, const float* kv_scale, const T* qkv, int64_t stride_qkv,
+                  const int64_t* positions, const T* cos_sin, void* cache,
+                  const int64_t* slot_mapping, int64_t m, const int32_t* block_table,
+                  const int32_t* query_start_loc, const int32_t* seq_lens, T* out,
+                  int64_t num_reqs, int num_threads, Geometry g) {
+  if (cache_format == 0) {
+    rope_attend<BF16>(qkv, stride_qkv, positions, cos_sin, static_cast<T*>(cache), slot_mapping,
+                      m, g.block_size, block_table, query_start_loc, seq_lens, out, num_reqs,
+                      num_threads, g);
+    return;
+  }
+  g.k_scale = kv_scale[0];
+  g.v_scale = kv_scale[1];
+  g.inv_k_scale = kv_scale[2];
+  g.inv_v_scale = kv_scale[3];
+  auto* codes = static_cast<uint8_t*>(cache);
+  if (cache_format == 1)
+    rope_attend<BF16, pdserve::E4M3>(qkv, stride_qkv, positions, cos_sin, codes, slot_mapping, m,
+                                     g.block_size, block_table, query_start_loc, seq_lens, out,
+                                     num_reqs, num_threads, g);
+  else
+    rope_attend<BF16, pdserve::E5M2>(qkv, stride_qkv, positions, cos_sin, codes, slot_mapping, m,
+                                     g.block_size, block_table, query_start_loc, seq_lens, out,
+                                     num_reqs, num_threads, g);
+}
+
 }  // namespace
 
 extern "C" {
@@ -44,9 +71,11 @@ extern "C" {
 int pdserve_decoder_layers_available() { return 1; }
 
 // hidden [m, hidden] in; residual null on the first stage (the first norm adds nothing). Out:
-// the last layer's MLP output and the residual stream, unsummed (the model's final norm adds
-// them). `caches[l]` is layer l's view, all with the strides of `g` (its stride_q_token unused).
-void pdserve_decoder_layers(const LayerWeights* layers, T* const* caches, int64_t num_layers,
+// them). `caches[l]` is layer l's view, all with the strides of `g` (its stride_q_token unused),
+// holding bf16 or (cache_format 1 e4m3, 2 e5m2) fp8 codes with layer l's k_scale, v_scale and
+// their reciprocals at kv_scales[4 l..].
+void pdserve_decoder_layers(const LayerWeights* layers, void* const* caches, int cache_format,
+                            const float* kv_scales, int64_t num_layers,
                             const StackShape* s, const Geometry* g, const T* hidden,
                             const T* residual, int64_t m, const int64_t* positions,
                             const T* cos_sin, const int64_t* slot_mapping,
@@ -73,9 +102,9 @@ void pdserve_decoder_layers(const LayerWeights* layers, T* const* caches, int64_
       norm_linear(x, stream.data(), d, d, w.input_norm, s->eps, m, d, w.qkv, qkv_size,
                   w.qkv_bias, stream.data(), qkv.data(), num_threads, int(w.qkv_type));
     }
-    rope_attend<BF16>(qkv.data(), qkv_size, positions, cos_sin, caches[l],
-                      slot_mapping, m, g->block_size, block_table, query_start_loc, seq_lens,
-                      attended.data(), num_reqs, num_threads, *g);
+    attend_layer(cache_format, kv_scales + 4 * l, qkv.data(), qkv_size, positions, cos_sin,
+                 caches[l], slot_mapping, m, block_table, query_start_loc, seq_lens,
+                 attended.data(), num_reqs, num_threads, *g);
     project(attended.data(), m, q_size, q_size, w.o, int(w.o_type), d, w.o_bias,
             projected.data(), d, num_threads);
     norm_mlp(projected.data(), stream.data(), d, d, w.post_norm, s->eps, m, d, w.gate_up,
