@@ -43,6 +43,11 @@ class CacheConfig:
         "hand over: 'fp8' (= 'fp8_e4m3'), 'fp8_e5m2' (docs/quantization.md)",
         choices=tuple(KV_CACHE_DTYPES),
     )
+    calculate_kv_scales: bool = flag(
+        False,
+        "an fp8 cache's per-layer key and value scales calculated at start from a fixed text "
+        "(vLLM: from the first batch), else 1.0 (docs/quantization.md)",
+    )
 
     def __post_init__(self) -> None:
         check_choice("block_size", self.block_size, (1, 2, 4, 8, 16, 32, 64, 128))
@@ -52,6 +57,10 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "calculate_kv_scales scales an fp8 cache; kv_cache_dtype is 'auto' (set fp8)."
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(

@@ -204,6 +204,8 @@ class EngineConfig:
             missing = f"for {mc.architecture}'s state rows, which share the cache's blocks"
         elif mc.kv_cache_geometry.latent:
             missing = f"for {mc.architecture}'s latent cache (MLA)"
+        elif self.cache_config.calculate_kv_scales and self.parallel_config.world_size > 1:
+            missing = "with calculate_kv_scales and more than one worker (TP or PP)"
         if missing is not None:
             raise ValueError(
                 f"kv_cache_dtype={value!r} is not supported {missing} yet; 'auto' keeps the "

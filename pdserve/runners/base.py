@@ -17,6 +17,7 @@ from pdserve.config import EngineConfig
 from pdserve.distributed import parallel_state
 from pdserve.kernels.linear import pack_linear_weights
 from pdserve.models import loader
+from pdserve.models.layers.attention import Attention
 from pdserve.models.state_cache import (
     StateCaches,
     StateModelCaches,
@@ -25,6 +26,7 @@ from pdserve.models.state_cache import (
 )
 from pdserve.models.utils import KVCacheGeometry, kv_cache_geometry
 from pdserve.outputs import LogprobsLists, ModelRunnerOutput
+from pdserve.runners import kv_scales
 from pdserve.runners.draft_model import DraftModel
 from pdserve.runners.draft_slots import DraftSlots, TokenTable
 from pdserve.runners.eagle import EagleProposer
@@ -92,8 +94,22 @@ class ModelRunnerBase:
         # Read now: runner V2 may later wrap the model in its CUDA graphs.
         self.kv_cache_geometry = kv_cache_geometry(self.model)
         self.has_state = hasattr(self.model, "state_shapes")
+        if self.config.cache_config.calculate_kv_scales:
+            self._calculate_kv_scales()
         if self.draft is not None:
             self.draft.load(self.model)
+
+    def _calculate_kv_scales(self) -> None:
+        token_ids = self.model_config.load_tokenizer().encode(kv_scales.CALIBRATION_TEXT)
+        scales = kv_scales.calculate_kv_scales(self.model, token_ids, self.dtype, self.device)
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer, scale in zip(layers, scales, strict=True):
+            layer.kv_scale = scale
+        logger.info(
+            "KV scales calculated from %d tokens: k %.3g..%.3g, v %.3g..%.3g",
+            len(token_ids),
+            *(f(s[i] for s in scales) for i in (0, 1) for f in (min, max)),
+        )
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[num_blocks, this stage's layers, 2 (key, value) or 1 (a latent), block_size, this TP

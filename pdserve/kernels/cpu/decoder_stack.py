@@ -11,6 +11,7 @@ runs its layers one by one wherever `DecoderStack.forward` returns None.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +69,6 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: PackedWeight | QuantWeight
     down_bias: torch.Tensor | None
-    kv_scale: KVScale  # an fp8 cache's (k_scale, v_scale)
 
 
 class DecoderStack:
@@ -83,7 +83,9 @@ class DecoderStack:
         eps: float,
         scale: float,
         cos_sin_cache: torch.Tensor,
+        kv_scales: Callable[[], list[KVScale]],
     ) -> None:
+        """kv_scales: the layers' (k_scale, v_scale) for an fp8 cache, as they are now."""
         self.layers = layers  # kept: the pointers below are into these tensors
         self.hidden = layers[0].input_norm.shape[0]
         self.cos_sin_cache = cos_sin_cache.contiguous()
@@ -110,9 +112,10 @@ class DecoderStack:
             )
         )
         self._caches: tuple[list[int], ctypes.Array] | None = None
-        self.kv_scales = (_F * (4 * len(layers)))(
-            *(x for w in layers for x in (*w.kv_scale, *(inverse(s) for s in w.kv_scale)))
-        )
+        # Read at each fp8 step: a layer's scales may be set after the stack is built
+        # (runners/kv_scales.py's calibration runs through it).
+        self.kv_scales = kv_scales
+        self._kv_scales: tuple[list[KVScale], ctypes.Array] | None = None
 
     @staticmethod
     def available(layers: list[LayerWeights]) -> bool:
@@ -135,6 +138,14 @@ class DecoderStack:
             assert all(c.stride() == kv_caches[0].stride() for c in kv_caches)
             self._caches = (pointers, (_P * len(pointers))(*pointers))
         return self._caches[1]
+
+    def _scale_array(self) -> ctypes.Array:
+        """Each layer's k_scale, v_scale and their reciprocals, as the kernel reads them."""
+        scales = self.kv_scales()
+        if self._kv_scales is None or self._kv_scales[0] != scales:
+            values = [x for kv in scales for x in (*kv, *(inverse(s) for s in kv))]
+            self._kv_scales = (scales, (_F * len(values))(*values))
+        return self._kv_scales[1]
 
     def forward(
         self,
@@ -188,7 +199,7 @@ class DecoderStack:
             self.weights,
             self._cache_pointers(kv_caches),
             cache_format,
-            self.kv_scales,
+            self._scale_array() if cache_format else None,
             len(self.layers),
             ctypes.byref(self.shape),
             ctypes.byref(geometry),

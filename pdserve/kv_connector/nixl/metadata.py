@@ -208,6 +208,8 @@ def model_factors(config: EngineConfig) -> dict[str, str]:
         "state_layout": mc.state_layout,
         "drafter": "none" if spec is None else spec.drafter_layout,
         "quantization": mc.quantization or "none",
+        # Calculated scales are the same wherever the setting is (runners/kv_scales.py).
+        "kv_scales": "calculated" if config.cache_config.calculate_kv_scales else "1.0",
     }
 
 
@@ -246,6 +248,7 @@ def compatibility_factors(
         # The decode side's drafter reads the draft KV the prefill side's computed.
         "drafter": model["drafter"],
         "quantization": model["quantization"],
+        "kv_scales": model["kv_scales"],
     }
 
 

@@ -41,7 +41,6 @@ def _stack_weights(layer: nn.Module) -> LayerWeights | None:
         mlp.gate_up_proj.bias,
         mlp.down_proj.packed_weight,
         mlp.down_proj.bias,
-        attn.attn.kv_scale,
     )
 
 
@@ -64,4 +63,5 @@ def build_decoder_stack(
         norms[0].variance_epsilon,
         attn.attn.scale,
         cos_sin_cache,
+        lambda: [layer.self_attn.attn.kv_scale for layer in layers],
     )

@@ -8,6 +8,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
+from pdserve.models.layers.attention import Attention
 from tests.unit.engine.test_correctness import assert_pool_full
 
 PROMPTS = ["What is the capital of Germany?", "Name three primary colors.", "Count to five."]
@@ -40,6 +41,25 @@ def test_fp8_cache_doubles_the_blocks_and_stays_batch_invariant(kv_cache_dtype: 
     assert drift < 0.3
 
 
+def _scales(llm: LLM) -> list:
+    model = llm.engine_core.executor.worker.model_runner.model
+    return [m.kv_scale for m in model.modules() if isinstance(m, Attention)]
+
+
+def test_calculated_scales_are_the_same_on_every_start() -> None:
+    """From a fixed text, not the first batch (runners/kv_scales.py): two starts agree, and the
+    answers stay near the bf16 cache's."""
+    args = {"max_model_len": 512, "kv_cache_dtype": "fp8", "calculate_kv_scales": True}
+    with LLM(**args) as llm:
+        scales = _scales(llm)
+        chat = [{"role": "user", "content": PROMPTS[0]}]
+        answer = llm.chat(chat, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    with LLM(**args) as llm:
+        assert _scales(llm) == scales
+    assert len(set(scales)) > 1 and (1.0, 1.0) not in scales
+    assert "Berlin" in answer[0].outputs[0].text
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -47,6 +67,11 @@ def test_fp8_cache_doubles_the_blocks_and_stays_batch_invariant(kv_cache_dtype: 
         ({"kv_cache_dtype": "fp8", "device": "cuda"}, "is not supported on CUDA"),
         ({"kv_cache_dtype": "fp8", "model": "mamba"}, "for MambaForCausalLM's state rows"),
         ({"kv_cache_dtype": "fp8_e5m2", "model": "deepseek_v2"}, "latent cache \\(MLA\\)"),
+        ({"calculate_kv_scales": True}, "calculate_kv_scales scales an fp8 cache"),
+        (
+            {"kv_cache_dtype": "fp8", "calculate_kv_scales": True, "pipeline_parallel_size": 2},
+            "with calculate_kv_scales and more than one worker",
+        ),
     ],
 )
 def test_what_fp8_does_not_serve_is_named(tiny_model, args, message) -> None:

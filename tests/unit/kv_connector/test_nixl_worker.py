@@ -410,7 +410,7 @@ def test_a_decode_drafter_the_prefill_side_lacks_fails_the_handshake(
     assert "drafter: prefill none, decode draft_model LlamaForCausalLM of 2 layers" in why
 
 
-def test_weights_in_gguf_blocks_on_one_side_only_fail_the_handshake(
+def test_gguf_blocks_or_kv_scales_on_one_side_only_fail_the_handshake(
     model: str, serve: Callable[..., int], clock: Clock
 ) -> None:
     """Weights in GGUF blocks compute other KV than dequantized ones: the decode side refuses
@@ -419,8 +419,11 @@ def test_weights_in_gguf_blocks_on_one_side_only_fail_the_handshake(
     prefill = kv_config(model, "kv_producer", "kv_producer", kv_lease_duration=LEASE)
     decode = kv_config(model, "kv_consumer", "kv_consumer", kv_lease_duration=LEASE)
     decode.model_config.quantization = "gguf"
+    decode.cache_config.calculate_kv_scales = True
     why = handshake_refusal(prefill, decode, serve)
     assert "quantization: prefill none, decode gguf" in why
+    # An fp8 cache's codes mean nothing under other scales (runners/kv_scales.py).
+    assert "kv_scales: prefill 1.0, decode calculated" in why
 
 
 @transports
