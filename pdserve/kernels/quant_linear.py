@@ -1,4 +1,4 @@
-"""Linear layers on CPU with GGUF-quantized weights kept in their blocks (Q4_0, Q4_1, Q8_0),
+"""Linear layers on CPU with GGUF-quantized weights kept in their blocks (Q4_0, Q4_1, Q8_0, Q4_K),
 for csrc/quant_linear.h: packed once after loading, about 4.5-8.5 bits a weight read
 per step instead of bf16's 16.
 
@@ -21,9 +21,11 @@ import torch
 from pdserve.kernels.cpu import native
 
 # ggml's type ids of the formats the kernel reads.
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
 BLOCK = 32  # weights per block, along K
-_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+# A row's bytes per 32 weights; Q4_K's rows are whole super-blocks of 256 (144 bytes).
+_BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 18}
+_ROW_MULTIPLE = {12: 256}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -37,7 +39,7 @@ class QuantWeight:
 
 
 def block_bytes(qtype: int) -> int:
-    """A GGUF block's bytes (32 weights) in format `qtype`."""
+    """A GGUF row's bytes per 32 weights in format `qtype`."""
     return _BLOCK_BYTES[qtype]
 
 
@@ -51,8 +53,9 @@ def available() -> bool:
 
 def pack(raw: np.ndarray, qtype: int, out_features: int, in_features: int) -> QuantWeight:
     """`raw`: the GGUF tensor's bytes, `out_features` rows of in_features / 32 blocks."""
-    if in_features % BLOCK:
-        raise ValueError(f"in_features={in_features} is not a multiple of {BLOCK}.")
+    multiple = _ROW_MULTIPLE.get(qtype, BLOCK)
+    if in_features % multiple:
+        raise ValueError(f"in_features={in_features} is not a multiple of {multiple}.")
     expected = out_features * in_features // BLOCK * block_bytes(qtype)
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     assert raw.size == expected, f"{raw.size} bytes of blocks, expected {expected}"

@@ -1,5 +1,5 @@
 """Linear layers on GGUF-quantized weights (kernels/quant_linear.py), each format (Q4_0, Q4_1,
-Q8_0) quantized by the `gguf` package: float32 activations give the bits of the float32 packed
+Q8_0, Q4_K) quantized by the `gguf` package: float32 activations give the bits of the float32 packed
 kernel over gguf's dequantized weights; bf16 activations (int8-quantized per 32-k block) stay
 within the bound that quantization derives; every row's bits are the same whatever the batch
 around it (batch invariance)."""
@@ -23,14 +23,26 @@ pytestmark = pytest.mark.skipif(
 )
 
 FORMATS = list(quant_linear.QTYPES)
-SHAPES = [(37, 64), (100, 1536)]  # a panel's tail of features; K of 48 blocks
+# A panel's tail of features (K of one super-block for Q4_K, whose rows are whole ones of 256);
+# K of 48 blocks (6 super-blocks).
+CASES = [
+    (name, n, 256 if name == "Q4_K" and k == 64 else k)
+    for name in FORMATS
+    for n, k in [(37, 64), (100, 1536)]
+]
 
 
 def quantized(name: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
     """(the GGUF blocks of a random [n, k] weight, gguf's dequantized float32 weight)."""
     qtype = GGMLQuantizationType[name]
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    raw = quantize(w, qtype)
+    rng = np.random.default_rng(seed)
+    if name == "Q4_K":  # `gguf` cannot quantize to it, but any bytes but d's and dmin's are a block
+        raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+        scales = rng.uniform(0.001, 0.05, (n, k // 256, 2)).astype(np.float16)
+        raw[..., :4] = scales.view(np.uint8)
+        raw = raw.reshape(n, -1)
+    else:
+        raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     return raw, torch.from_numpy(dequantize(raw, qtype).reshape(n, k))
 
 
@@ -38,8 +50,7 @@ def test_the_kernel_is_built_where_the_cpu_has_its_instructions() -> None:
     assert quant_linear.available()
 
 
-@pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize(("name", "n", "k"), CASES)
 def test_float32_gives_the_dequantized_kernels_bits(name: str, n: int, k: int) -> None:
     raw, dequantized = quantized(name, n, k)
     weight = quant_linear.pack(raw, quant_linear.QTYPES[name], n, k)
@@ -49,8 +60,7 @@ def test_float32_gives_the_dequantized_kernels_bits(name: str, n: int, k: int) -
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize(("name", "n", "k"), CASES)
 def test_bf16_within_the_bound_of_int8_activations(
     name: str, n: int, k: int, out_dtype: torch.dtype
 ) -> None:
@@ -95,3 +105,6 @@ def test_blocks_that_do_not_fill_the_weight_are_refused() -> None:
     raw, _ = quantized("Q4_0", 4, 64)
     with pytest.raises(ValueError, match="in_features=48 is not a multiple of 32"):
         quant_linear.pack(raw, quant_linear.QTYPES["Q4_0"], 4, 48)
+    raw, _ = quantized("Q4_K", 4, 256)
+    with pytest.raises(ValueError, match="in_features=128 is not a multiple of 256"):
+        quant_linear.pack(raw, quant_linear.QTYPES["Q4_K"], 8, 128)

@@ -1,5 +1,6 @@
 // y = x W^T (+ b) on CPU with W kept in GGUF's block formats: Q4_0, Q4_1 and Q8_0, 32 weights a
-// block along K with a float16 scale d (and Q4_1's float16 minimum m). Called on its own by
+// block along K with a float16 scale d (and Q4_1's float16 minimum m), and Q4_K, whose
+// 256-weight super-blocks hold float16 d and dmin and, per 32-weight sub-block, 6-bit sc and m. Called on its own by
 // quant_linear_cpu.cpp (pdserve/kernels/quant_linear.py packs and calls) and within a decoder
 // stack by norm_linear.h and decoder_cpu.cpp.
 //
@@ -9,8 +10,11 @@
 // i of a block holds k 8i..8i+3 in the low nibbles and k 8i+4..8i+7 in the high ones. Q8_0:
 // vector t holds k 4t..4t+3 as unsigned bytes, the int8 + 128.
 //
+// Q4_K's 32-k blocks are its sub-blocks: the header holds the 16 features' float16 d and dmin,
+// then their sc and m bytes, and the kernel forms d sc and -(dmin m) (exact in float32).
+//
 // Every weight's value is d * u + m with u its unsigned quant: Q4_0 m = -8d, Q4_1 its minimum,
-// Q8_0 m = -128d.
+// Q8_0 m = -128d, Q4_K d sc and -(dmin m).
 //
 // bf16 activations (the serving path, llama.cpp's numerics): each row of x is quantized per
 // 32-k block to int8 with a float32 scale s = max|x| / 127; a block's products are summed exactly
@@ -37,36 +41,70 @@ namespace {
 
 constexpr int64_t kQK = 32;         // weights per block
 constexpr int64_t kPanel = 16;      // output features per panel
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type ids
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12 };  // ggml's type ids
 
-int64_t gguf_block_bytes(int qtype) { return qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : 34; }
-int64_t header_bytes(int qtype) { return qtype == kQ4_1 ? 64 : 32; }
+constexpr int64_t kSuperBlock = 256, kQ4KBytes = 144;  // Q4_K: d, dmin, scales[12], qs[128]
+
+// A GGUF row's bytes per 32 weights (Q4_K: a super-block's share).
+int64_t gguf_block_bytes(int qtype) {
+  return qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : qtype == kQ4_K ? kQ4KBytes / 8 : 34;
+}
+int64_t header_bytes(int qtype) { return qtype == kQ4_1 ? 64 : qtype == kQ4_K ? 96 : 32; }
 int64_t quant_bytes(int qtype) { return qtype == kQ8_0 ? 512 : 256; }
 int64_t packed_block_bytes(int qtype) { return header_bytes(qtype) + quant_bytes(qtype); }
 
-// The unsigned quant of weight kk (< 32) of one GGUF block.
-inline uint8_t gguf_quant(const uint8_t* block, int qtype, int kk) {
+// Q4_K's 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
+inline void q4k_scale_min(const uint8_t* scales, int j, uint8_t& sc, uint8_t& m) {
+  if (j < 4) {
+    sc = scales[j] & 63;
+    m = scales[j + 4] & 63;
+  } else {
+    sc = uint8_t((scales[j + 4] & 0x0F) | ((scales[j - 4] >> 6) << 4));
+    m = uint8_t((scales[j + 4] >> 4) | ((scales[j] >> 6) << 4));
+  }
+}
+
+// Block b (32 weights) of a GGUF row: its bytes where its own format starts it, its header into
+// `dst` as feature j's, and the unsigned quant of weight kk through `quant`.
+inline uint8_t gguf_quant(const uint8_t* row, int qtype, int64_t b, int kk) {
+  if (qtype == kQ4_K) {  // sub-block b % 8: the low nibbles of 32 bytes, then their high ones
+    const uint8_t* qs = row + (b / 8) * kQ4KBytes + 16 + 32 * ((b % 8) / 2);
+    return (b % 2) ? qs[kk] >> 4 : qs[kk] & 0x0F;
+  }
+  const uint8_t* block = row + b * gguf_block_bytes(qtype);
   if (qtype == kQ8_0) return uint8_t(int(int8_t(block[2 + kk])) + 128);
   const uint8_t* qs = block + (qtype == kQ4_1 ? 4 : 2);
   return kk < 16 ? qs[kk] & 0x0F : qs[kk - 16] >> 4;
 }
 
+inline void pack_header(const uint8_t* row, int qtype, int64_t b, int64_t j, uint8_t* dst) {
+  if (qtype == kQ4_K) {
+    const uint8_t* super = row + (b / 8) * kQ4KBytes;
+    std::memcpy(dst + 2 * j, super, 2);       // d
+    std::memcpy(dst + 32 + 2 * j, super + 2, 2);  // dmin
+    q4k_scale_min(super + 4, int(b % 8), dst[64 + j], dst[80 + j]);
+    return;
+  }
+  const uint8_t* block = row + b * gguf_block_bytes(qtype);
+  std::memcpy(dst + 2 * j, block, 2);                               // d
+  if (qtype == kQ4_1) std::memcpy(dst + 32 + 2 * j, block + 2, 2);  // m
+}
+
 // raw: n rows of k / 32 GGUF blocks -> ceil(n / 16) panels of k / 32 packed blocks (zero-padded
 // features).
 void pack(const uint8_t* raw, int qtype, int64_t n, int64_t k, uint8_t* out) {
-  const int64_t nb = k / kQK, gb = gguf_block_bytes(qtype), pb = packed_block_bytes(qtype);
-  const int64_t num_panels = (n + kPanel - 1) / kPanel;
+  const int64_t nb = k / kQK, row_bytes = nb * gguf_block_bytes(qtype);
+  const int64_t pb = packed_block_bytes(qtype), num_panels = (n + kPanel - 1) / kPanel;
   std::memset(out, 0, size_t(num_panels * nb * pb));
   for (int64_t f = 0; f < n; ++f) {
     const int64_t j = f % kPanel;
+    const uint8_t* row = raw + f * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* block = raw + (f * nb + b) * gb;
       uint8_t* dst = out + ((f / kPanel) * nb + b) * pb;
-      std::memcpy(dst + 2 * j, block, 2);                                     // d
-      if (qtype == kQ4_1) std::memcpy(dst + 32 + 2 * j, block + 2, 2);        // m
+      pack_header(row, qtype, b, j, dst);
       uint8_t* q = dst + header_bytes(qtype);
       for (int kk = 0; kk < kQK; ++kk) {
-        const uint8_t u = gguf_quant(block, qtype, kk);
+        const uint8_t u = gguf_quant(row, qtype, b, kk);
         if (qtype == kQ8_0) {
           q[(kk / 4) * 64 + 4 * j + kk % 4] = u;
         } else {
@@ -85,13 +123,23 @@ inline __m512 load_half16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// A block's scales d and offsets m (the value of quant 0) as float32 lanes.
+inline __m512 load_u8_16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// A block's scales d and offsets m (the value of quant 0) as float32 lanes: exact products
+// (Q4_K's float16 times a 6-bit integer, -8d, -128d), as gguf's dequantization forms them.
 inline void block_scales(const uint8_t* block, int qtype, __m512& d, __m512& m) {
   d = load_half16(block);
-  if (qtype == kQ4_1)
+  if (qtype == kQ4_K) {
+    const __m512 dm = _mm512_mul_ps(load_half16(block + 32), load_u8_16(block + 80));
+    m = _mm512_mul_ps(dm, _mm512_set1_ps(-1.f));
+    d = _mm512_mul_ps(d, load_u8_16(block + 64));
+  } else if (qtype == kQ4_1) {
     m = load_half16(block + 32);
-  else  // -8d and -128d: exact in float32
+  } else {
     m = _mm512_mul_ps(d, _mm512_set1_ps(qtype == kQ4_0 ? -8.f : -128.f));
+  }
 }
 
 // One row of bf16 activations -> int8 per 32-k block, its scale and its quants' sum.
@@ -181,8 +229,8 @@ void dot_rows_exact(const float* x, int64_t stride_x, int64_t nb, const uint8_t*
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = panel + b * pb;
     const uint8_t* q = block + hb;
-    const __m512 d = load_half16(block);
-    const __m512 m = qtype == kQ4_1 ? load_half16(block + 32) : _mm512_setzero_ps();
+    __m512 d, m;
+    block_scales(block, qtype, d, m);
     for (int kk = 0; kk < kQK; ++kk) {
       __m512i u;
       if (qtype == kQ8_0)
@@ -197,7 +245,7 @@ void dot_rows_exact(const float* x, int64_t stride_x, int64_t nb, const uint8_t*
       if (qtype == kQ4_0)
         w = _mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(8))),
                                 round);
-      else if (qtype == kQ4_1)
+      else if (qtype == kQ4_1 || qtype == kQ4_K)  // Q4_K: d sc u - dmin m
         w = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(u), round), m, round);
       else
         w = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(128))),
