@@ -120,7 +120,7 @@ class EngineConfig:
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model_config.check_placement(self.device, self.parallel_config.world_size)
+        self.model_config.check_placement(self.device)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
             spec, parts = self.speculative_config, (self.scheduler_config, self.parallel_config)

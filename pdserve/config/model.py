@@ -60,9 +60,9 @@ class ModelConfig:
     )
     quantization: str | None = flag(
         None,
-        "'gguf': a .gguf file's projections stay in their blocks (Q4_0, Q4_1, Q8_0), read by "
+        "'gguf': a .gguf file's projections stay in their blocks (Q4_0, Q4_1, Q8_0, Q4_K), read by "
         "a CPU kernel (docs/quantization.md); 'none': dequantized to --dtype at load; unset: "
-        "'gguf' for a .gguf file where the kernel runs (one CPU worker), else 'none'",
+        "'gguf' for a .gguf file where the kernel runs (AVX-512 VNNI and BF16), else 'none'",
         short="-q",
     )
     max_logprobs: int = flag(
@@ -138,14 +138,13 @@ class ModelConfig:
                 "--quantization none dequantizes the weights at load."
             )
 
-    def check_placement(self, device: str, world_size: int) -> None:
-        """What runs GGUF blocks so far: one CPU worker."""
+    def check_placement(self, device: str) -> None:
+        """What runs GGUF blocks so far: CPU workers, any number (a TP rank's share of a
+        projection that would split blocks is dequantized: models/loader/gguf.py)."""
         if self.quantization != "gguf":
             return
         if device == "cuda":
             missing = "on CUDA: the Triton dequantize-matmul is not built yet"
-        elif world_size > 1:
-            missing = f"with {world_size} workers (tensor or pipeline parallel): not supported yet"
         else:
             return
         if self.quantization_implied:

@@ -56,7 +56,8 @@ class LinearBase(nn.Module):
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id: Any) -> None:
         """A checkpoint tensor into `param`; one kept in GGUF blocks (`gguf_qtype`) into rows of
         bytes, which replace the dense weight at its first shard. The rows are output features
-        and a row's bytes are whole blocks of K, so the same sharding applies."""
+        and a row's bytes are whole blocks of K, so the same sharding applies (a row-parallel
+        rank's share of K is whole blocks, else loader/gguf.py dequantizes the projection)."""
         qtype = getattr(loaded, "gguf_qtype", None)
         if qtype is not None:
             if self.weight.dtype != torch.uint8:

@@ -51,8 +51,15 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.vocab_end - self.vocab_start
         default_weight_loader(param[:rows], loaded[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()
-        # One worker (config/model.py): the blocks are the whole vocabulary's.
-        self.gguf_blocks = getattr(loaded, "gguf_blocks", None)
+        blocks = getattr(loaded, "gguf_blocks", None)
+        if blocks is not None:
+            # This rank's rows of blocks, padded as the weight is: zero bytes are zero weights in
+            # every kept format (scales and minimums 0).
+            raw, qtype = blocks
+            shard = raw[self.vocab_start : self.vocab_end]
+            padding = shard.new_zeros(param.shape[0] - rows, shard.shape[1])
+            blocks = (torch.cat([shard, padding]) if len(padding) else shard, qtype)
+        self.gguf_blocks = blocks
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

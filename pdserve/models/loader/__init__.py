@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from pdserve.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pdserve.models import registry
 from pdserve.models.loader import gguf, hf
 from pdserve.models.loader.source import ModelSource, default_model_path, resolve_model_source
@@ -84,5 +85,6 @@ def _iterate_weights(
     source: ModelSource, hf_config: PretrainedConfig, keep_quantized: tuple[int, ...]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if source.kind == "gguf":
-        return gguf.iterate_weights(source.path, hf_config, keep_quantized)
+        tp_size = get_tensor_model_parallel_world_size()
+        return gguf.iterate_weights(source.path, hf_config, keep_quantized, tp_size)
     return hf.iterate_weights(source.path)

@@ -11,6 +11,7 @@ llama.cpp's rotary layout.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Container, Iterator
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from transformers import (
     LlamaConfig,
@@ -29,6 +30,7 @@ from transformers import (
 )
 from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
 
+logger = logging.getLogger(__name__)
 _SUPPORTED_ARCHITECTURES = ("llama",)
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -52,6 +54,10 @@ _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 # one kept format.
 _PROJECTION_GROUPS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"),
                       ("ffn_down",))  # fmt: skip
+# The projections tensor parallelism splits along their input features (K): a rank takes its
+# share of each row's bytes, which is whole blocks only where K / TP size is a multiple of the
+# format's block (32 weights; Q4_K's super-blocks 256).
+_ROW_PARALLEL = ("attn_output", "ffn_down")
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -113,16 +119,22 @@ def load_generation_config(path: Path) -> dict[str, Any]:
 
 
 def iterate_weights(
-    path: Path, hf_config: PretrainedConfig, keep_quantized: Container[int] = ()
+    path: Path,
+    hf_config: PretrainedConfig,
+    keep_quantized: Container[int] = (),
+    tp_size: int = 1,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named float32 tensors, one at a time; the projections' weights of a GGUF type in
     `keep_quantized` as they are stored instead: uint8 rows of blocks (a row per output
-    feature), the type in the tensor's `gguf_qtype` attribute (kernels/quant_linear.py). An
-    embedding or LM head of such a type comes dequantized (the embedding reads rows) with its
-    blocks beside, in `gguf_blocks` (rows, type), for the LM head's matmul."""
+    feature), the type in the tensor's `gguf_qtype` attribute (kernels/quant_linear.py), but
+    for a row-parallel projection whose blocks `tp_size` ranks would split. An embedding or LM
+    head of such a type comes dequantized (the embedding reads rows) with its blocks beside, in
+    `gguf_blocks` (rows, type), for the LM head's matmul."""
     header = GgufHeader.from_file(str(path))
     blob = np.memmap(path, mode="r", dtype=np.uint8)
     kept = _kept_projections({t.name: t.ggml_type for t in header.tensors}, keep_quantized)
+    shapes = {t.name: (t.ggml_type, t.shape[-1]) for t in header.tensors if t.name in kept}
+    kept -= _split_by_tp(shapes, tp_size)
     for info in header.tensors:
         name = _hf_name(info.name, path)
         start = header.data_start + info.offset
@@ -164,6 +176,30 @@ def _kept_projections(types: dict[str, int], keep_quantized: Container[int]) -> 
                 if len(formats) == 1 and formats <= set(keep_quantized):
                     kept.add(name)
     return kept
+
+
+def _split_by_tp(tensors: dict[str, tuple[int, int]], tp_size: int) -> set[str]:
+    """Of `tensors` (GGUF name: format, input features), the row-parallel projections whose
+    input features do not split over `tp_size` ranks on their format's block boundaries; logged,
+    since they are dequantized."""
+    split, reasons = set(), set()
+    for name, (qtype, k) in tensors.items():
+        match = _BLOCK_TENSOR.fullmatch(name)
+        if match is None or match.group(2) not in _ROW_PARALLEL:
+            continue
+        fmt = GGMLQuantizationType(qtype)
+        block = GGML_QUANT_SIZES[fmt][0]
+        if k % (tp_size * block):
+            split.add(name)
+            what = _BLOCK_TENSORS[match.group(2)].rpartition(".")[2]
+            reasons.add(f"{what}'s {k} input features in {fmt.name} blocks of {block}")
+    if reasons:
+        logger.info(
+            "Dequantized where %d TP ranks would split their blocks: %s",
+            tp_size,
+            ", ".join(sorted(reasons)),
+        )
+    return split
 
 
 def _hf_name(gguf_name: str, path: Path) -> str:
