@@ -195,12 +195,16 @@ class EngineConfig:
             )
 
     def _check_fp8_cache(self) -> None:
-        """What an fp8 KV cache serves so far: keys and values of attention layers on CPU."""
+        """What an fp8 KV cache serves so far: keys and values of attention layers, on CPU and
+        on a GPU whose Triton has the format (e4m3: compute capability 8.9 or later)."""
         mc, value = self.model_config, self.cache_config.kv_cache_dtype
+        if self.device == "cuda" and torch.cuda.is_available():
+            from pdserve.kernels.triton.launch_configs import check_fp8_cache_on_cuda
+
+            dtype = self.cache_config.kv_dtype(mc.torch_dtype)
+            check_fp8_cache_on_cuda(dtype, torch.cuda.get_device_capability())
         missing = None
-        if self.device == "cuda":
-            missing = "on CUDA (the Triton kernels' fp8 variants are not wired yet)"
-        elif mc.has_inner_state:
+        if mc.has_inner_state:
             missing = f"for {mc.architecture}'s state rows, which share the cache's blocks"
         elif mc.kv_cache_geometry.latent:
             missing = f"for {mc.architecture}'s latent cache (MLA)"

@@ -61,8 +61,9 @@ class ModelConfig:
     quantization: str | None = flag(
         None,
         "'gguf': a .gguf file's projections stay in their blocks (Q4_0, Q4_1, Q8_0, Q4_K), read by "
-        "a CPU kernel (docs/quantization.md); 'none': dequantized to --dtype at load; unset: "
-        "'gguf' for a .gguf file where the kernel runs (AVX-512 VNNI and BF16), else 'none'",
+        "a CPU kernel, or on CUDA by a Triton kernel (not Q4_K) (docs/quantization.md); 'none': "
+        "dequantized to --dtype at load; unset: 'gguf' for a .gguf file where a kernel runs "
+        "(AVX-512 VNNI and BF16, or CUDA with Triton), else 'none'",
         short="-q",
     )
     max_logprobs: int = flag(
@@ -120,33 +121,32 @@ class ModelConfig:
             )
 
     def _check_gguf_blocks(self) -> None:
-        from pdserve.kernels import quant_linear
-
         if self.source.kind != "gguf":
             raise ValueError(
                 f"quantization='gguf' keeps a .gguf file's blocks; {str(self.source.path)!r} "
                 "is an HF folder."
             )
-        if not quant_linear.available():
-            if self.quantization_implied:
-                logger.info("GGUF weights dequantized at load: no AVX-512 VNNI/BF16 kernel here")
-                self.quantization = "none"
-                return
-            raise ValueError(
-                "quantization='gguf' needs the CPU kernel of kernels/quant_linear.py: a C++ "
-                "compiler and a CPU with AVX-512 VNNI and BF16, which this machine lacks; "
-                "--quantization none dequantizes the weights at load."
-            )
 
     def check_placement(self, device: str) -> None:
-        """What runs GGUF blocks so far: CPU workers, any number (a TP rank's share of a
-        projection that would split blocks is dequantized: models/loader/gguf.py)."""
+        """What runs GGUF blocks: on CPU workers the CPU kernel, on CUDA (or with
+        PDSERVE_KERNEL_BACKEND=triton) the Triton dequantize-matmul; any number of workers (a TP
+        rank's share of a projection that would split blocks is dequantized:
+        models/loader/gguf.py)."""
+        from pdserve.kernels import backend, quant_linear
+
         if self.quantization != "gguf":
             return
-        if device == "cuda":
-            missing = "on CUDA: the Triton dequantize-matmul is not built yet"
-        else:
+        if quant_linear.triton_reads_blocks(torch.device(device)):
+            if backend.HAS_TRITON:
+                return
+            missing = f"on {device} needs the Triton dequantize-matmul, and Triton is not installed"
+        elif quant_linear.available():
             return
+        else:
+            missing = (
+                "needs the CPU kernel of kernels/quant_linear.py: a C++ compiler and a CPU with "
+                "AVX-512 VNNI and BF16, which this machine lacks"
+            )
         if self.quantization_implied:
             logger.info("GGUF weights dequantized at load: blocks %s", missing)
             self.quantization = "none"
@@ -155,12 +155,14 @@ class ModelConfig:
             f"quantization='gguf' {missing}; --quantization none dequantizes the weights at load."
         )
 
-    @property
-    def kept_gguf_types(self) -> tuple[int, ...]:
-        """The GGUF formats whose projections stay in their blocks (kernels/quant_linear.py)."""
+    def kept_gguf_types(self, device: str | torch.device) -> tuple[int, ...]:
+        """The GGUF formats whose projections stay in their blocks on `device`: the CPU
+        kernel's, or the Triton kernel's, which lacks Q4_K (kernels/quant_linear.py)."""
         from pdserve.kernels import quant_linear
 
-        return tuple(quant_linear.QTYPES.values()) if self.quantization == "gguf" else ()
+        if self.quantization != "gguf":
+            return ()
+        return quant_linear.kept_qtypes(torch.device(device))
 
     @property
     def runner_type(self) -> str:

@@ -49,12 +49,16 @@ if backend.HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from pdserve.kernels.triton.fp8 import to_fp8
+
     @triton.jit
     def _write_kv_cache_kernel(
         key_ptr,
         value_ptr,
         cache_ptr,
         slot_mapping_ptr,
+        inv_k_scale,
+        inv_v_scale,
         stride_kt,
         stride_kh,
         stride_kd,
@@ -71,6 +75,7 @@ if backend.HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        FP8_MAX: tl.constexpr,  # an fp8 cache's largest value; 0.0: the cache is not fp8
     ):
         # One program per token, all heads at once: a token's K and V are one tile each.
         token = tl.program_id(0)
@@ -90,14 +95,22 @@ if backend.HAS_TRITON:
         dst = cache_ptr + block * stride_cb + offset * stride_cs
         dst += offs_h * stride_ch + offs_d * stride_cd
         dtype = cache_ptr.dtype.element_ty
+        if FP8_MAX > 0:
+            key = to_fp8(key.to(tl.float32) * inv_k_scale, FP8_MAX, dtype)
+            value = to_fp8(value.to(tl.float32) * inv_v_scale, FP8_MAX, dtype)
         tl.store(dst, key.to(dtype), mask=mask)
         tl.store(dst + stride_ckv, value.to(dtype), mask=mask)
 
 
 def write_kv_cache_triton(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots (Triton)."""
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at their slots (Triton); into an fp8
+    cache as quantize_kv does, bit for bit."""
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
@@ -107,6 +120,7 @@ def write_kv_cache_triton(
         value,
         kv_cache,
         slot_mapping,
+        *(inverse(s) for s in kv_scale),
         *key.stride(),
         *value.stride(),
         *kv_cache.stride(),
@@ -115,6 +129,7 @@ def write_kv_cache_triton(
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=FP8_MAX.get(kv_cache.dtype, 0.0),
     )
 
 

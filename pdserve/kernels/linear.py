@@ -26,12 +26,13 @@ from torch import nn
 from pdserve import envs
 from pdserve.kernels import backend
 from pdserve.kernels.cpu import native
-from pdserve.kernels.quant_linear import QuantWeight, quant_linear
+from pdserve.kernels.quant_linear import GGUFRows, QuantWeight, quant_linear, triton_reads_blocks
 from pdserve.kernels.quant_linear import pack as pack_quant
 from pdserve.utils import cdiv
 
 if backend.HAS_TRITON:
     from pdserve.kernels.triton.matmul import matmul_triton
+    from pdserve.kernels.triton.quant_matmul import quant_matmul_torch, quant_matmul_triton
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +127,20 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    packed: PackedWeight | QuantWeight | None,
+    packed: PackedWeight | QuantWeight | GGUFRows | None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x W^T + b in the weight's dtype, or in `out_dtype` (float32 for logits: the kernel's
     float32 sums, not rounded to bf16 first). On CUDA, cuBLAS; under PDSERVE_BATCH_INVARIANT the
     Triton matmul of triton/matmul.py, whose rows do not depend on the batch. A weight kept in
-    GGUF blocks: in x's dtype or float32 (kernels/quant_linear.py)."""
+    GGUF blocks: in x's dtype or float32, on CPU by kernels/quant_linear.py, elsewhere by the
+    Triton dequantize-matmul (triton/quant_matmul.py; its torch reference where the torch
+    backend is forced)."""
     if isinstance(packed, QuantWeight):
         return quant_linear(x, packed, bias, out_dtype)
+    if isinstance(packed, GGUFRows):
+        matmul = quant_matmul_triton if backend.use_triton(x.device) else quant_matmul_torch
+        return matmul(x, packed, bias, out_dtype or x.dtype)
     out_dtype = out_dtype or weight.dtype
     if packed is not None and x.numel():
         return _packed_linear(x, packed, bias, out_dtype)
@@ -157,7 +163,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     """Pack the weight of every module that takes one (`packed_weight` attribute), and each
     expert's of an MoE layer (`packed_experts`); returns how many were packed. The dense weight
     stays: checkpoints, tied embeddings and the KV-free reference paths read it."""
-    num_packed = 0
+    num_packed = num_rows = 0
     lm_head = getattr(model, "lm_head", None)
     for module in model.modules():
         # An embedding table (it has compute_logits) is a matmul only as the LM head.
@@ -167,14 +173,14 @@ def pack_linear_weights(model: nn.Module) -> int:
         qtype = getattr(getattr(module, "weight", None), "gguf_qtype", None)
         if blocks is not None:  # an LM head kept in its GGUF blocks
             rows, block_type = blocks
-            module.packed_weight = pack_quant(
-                rows.numpy(), block_type, rows.shape[0], module.weight.shape[1]
-            )
+            rows = rows.to(module.weight.device)
+            module.packed_weight = _pack_blocks(rows, block_type, module.weight.shape[1])
             module.gguf_blocks = None
+            num_rows += isinstance(module.packed_weight, GGUFRows)
             num_packed += 1
         elif hasattr(module, "packed_weight") and qtype is not None:
-            rows = module.weight.numpy()
-            module.packed_weight = pack_quant(rows, qtype, rows.shape[0], module.in_features)
+            module.packed_weight = _pack_blocks(module.weight.data, qtype, module.in_features)
+            num_rows += isinstance(module.packed_weight, GGUFRows)
             num_packed += 1
         elif hasattr(module, "packed_weight") and can_pack(module.weight):
             module.packed_weight = pack_weight(module.weight)
@@ -185,7 +191,17 @@ def pack_linear_weights(model: nn.Module) -> int:
                 for w13, w2 in zip(module.w13_weight, module.w2_weight, strict=True)
             ]
             num_packed += 2 * len(module.packed_experts)
-    if num_packed:
+    if num_rows:
+        logger.info("%d linear weights in GGUF blocks for the Triton kernel.", num_rows)
+    if num_packed > num_rows:
         kind = "AMX" if amx_available() else "AVX-512"
-        logger.info("Packed %d linear weights (bf16 on %s).", num_packed, kind)
+        logger.info("Packed %d linear weights (bf16 on %s).", num_packed - num_rows, kind)
     return num_packed
+
+
+def _pack_blocks(rows: torch.Tensor, qtype: int, in_features: int) -> QuantWeight | GGUFRows:
+    """A weight's GGUF rows of blocks for the kernel that reads them on their device: the
+    Triton kernel takes them as they are, the CPU kernel in its panels."""
+    if triton_reads_blocks(rows.device):
+        return GGUFRows(rows, qtype, rows.shape[0], in_features)
+    return pack_quant(rows.numpy(), qtype, rows.shape[0], in_features)

@@ -18,10 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.kernels import backend
 from pdserve.kernels.cpu import native
 
 # ggml's type ids of the formats the kernel reads.
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
+# Those that kernels/triton/quant_matmul.py reads (its 32-k steps do not take Q4_K's super-blocks).
+TRITON_QTYPES = (QTYPES["Q4_0"], QTYPES["Q4_1"], QTYPES["Q8_0"])
 BLOCK = 32  # weights per block, along K
 # A row's bytes per 32 weights; Q4_K's rows are whole super-blocks of 256 (144 bytes).
 _BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 18}
@@ -36,6 +39,29 @@ class QuantWeight:
     qtype: int
     out_features: int
     in_features: int
+
+
+@dataclass(frozen=True)
+class GGUFRows:
+    """A weight in its GGUF blocks as the file stores them, on its device, for the Triton
+    kernel (kernels/triton/quant_matmul.py)."""
+
+    data: torch.Tensor  # uint8 [out_features, in_features / 32 * block_bytes(qtype)]
+    qtype: int
+    out_features: int
+    in_features: int
+
+
+def triton_reads_blocks(device: torch.device) -> bool:
+    """Weights kept in blocks on `device` go to the Triton kernel as stored (CUDA, or
+    PDSERVE_KERNEL_BACKEND=triton on CPU), not to this module's packed panels."""
+    return device.type != "cpu" or backend.use_triton(device)
+
+
+def kept_qtypes(device: torch.device) -> tuple[int, ...]:
+    """The formats whose projections stay in blocks on `device`: the kernel's that reads them
+    there (the others are dequantized at load)."""
+    return TRITON_QTYPES if triton_reads_blocks(device) else tuple(QTYPES.values())
 
 
 def block_bytes(qtype: int) -> int:

@@ -86,7 +86,11 @@ class ModelRunnerBase:
     def load_model(self) -> None:
         mc = self.model_config
         self.model = loader.load_model(
-            mc.hf_config, mc.source, self.dtype, self.device, keep_quantized=mc.kept_gguf_types
+            mc.hf_config,
+            mc.source,
+            self.dtype,
+            self.device,
+            keep_quantized=mc.kept_gguf_types(self.device),
         )
         pack_linear_weights(self.model)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

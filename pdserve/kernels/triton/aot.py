@@ -8,11 +8,13 @@ the ptxas of the Triton wheel) instead of launching it. The binaries land in Tri
 (PDSERVE_CACHE_DIR/triton unless --cache-dir), keyed by the kernel's source, its
 specialization, the target and the compiler, so a rerun compiles only what changed.
 
-    python -m pdserve.kernels.triton.aot [--arch 80 90] [--jobs 2] [--quick] [--cache-dir DIR]
-        [--json REPORT]
+    python -m pdserve.kernels.triton.aot [--arch 80 90] [--jobs 2] [--quick] [--fp8-cache]
+        [--cache-dir DIR] [--json REPORT]
 
 --quick compiles the default suite's share (launch_configs.QUICK_*): every kernel and variant
-for two model shapes in bf16, an eighth of the configurations.
+for two model shapes in bf16, an eighth of the configurations. --fp8-cache compiles only the
+configurations with an fp8 KV cache, each for the targets that have its format
+(launch_configs.runs_on).
 
 TRITON_INTERPRET must be unset: the interpreter accepts kernels the compiler rejects.
 """
@@ -43,11 +45,13 @@ from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.input_prep import prepare_inputs_triton
 from pdserve.kernels.kv_cache import write_kv_cache_triton
 from pdserve.kernels.norm import fused_add_rms_norm_triton, rms_norm_triton
+from pdserve.kernels.quant_linear import BLOCK, GGUFRows, block_bytes
 from pdserve.kernels.rotary import rotary_embedding_triton
 from pdserve.kernels.sampling import SamplingInputs
 from pdserve.kernels.triton import launch_configs as lc
 from pdserve.kernels.triton.attention import paged_attention_triton
 from pdserve.kernels.triton.matmul import matmul_triton
+from pdserve.kernels.triton.quant_matmul import quant_matmul_triton
 from pdserve.kernels.triton.sampling import sample_tokens_triton, topk_logprobs_triton
 
 ARCHS = (80, 90)
@@ -140,9 +144,8 @@ def _attention(launch: lc.AttentionLaunch, batch: int, max_model_len: int) -> No
         sum(query_lens), num_kv_heads * launch.group, launch.head_size, dtype=launch.dtype
     )
     # One layer's view of the block-major cache [blocks, layers, 2, block, kv heads, head].
-    cache = torch.zeros(
-        2, 2, 2, launch.block_size, num_kv_heads, launch.head_size, dtype=launch.dtype
-    )
+    shape = (2, 2, 2, launch.block_size, num_kv_heads, launch.head_size)
+    cache = torch.zeros(shape, dtype=launch.cache_dtype or launch.dtype)
     md = AttentionMetadata(
         num_reqs=batch,
         num_actual_tokens=sum(query_lens),
@@ -169,7 +172,9 @@ def _kv_write(launch: lc.KVWriteLaunch, batch: int, max_model_len: int) -> None:
         torch.zeros(batch, *shape, dtype=launch.dtype),
         torch.zeros(batch, *shape, dtype=launch.dtype),
     )
-    cache = torch.zeros(2, 2, 2, launch.block_size, *shape, dtype=launch.dtype)
+    cache = torch.zeros(
+        2, 2, 2, launch.block_size, *shape, dtype=launch.cache_dtype or launch.dtype
+    )
     write_kv_cache_triton(key, value, cache[:, 1], torch.zeros(batch, dtype=torch.int64))
 
 
@@ -199,6 +204,16 @@ def _matmul(launch: lc.MatmulLaunch, batch: int, max_model_len: int) -> None:
     bias = torch.zeros(launch.out_features, dtype=launch.dtype) if launch.bias else None
     x = torch.zeros(batch, launch.in_features, dtype=launch.dtype)
     matmul_triton(x, weight, bias, torch.float32 if launch.logits else launch.dtype)
+
+
+def _quant_matmul(launch: lc.QuantMatmulLaunch, batch: int, max_model_len: int) -> None:
+    shape = launch.matmul
+    n, k = shape.out_features, shape.in_features
+    rows = torch.zeros(n, k // BLOCK * block_bytes(launch.qtype), dtype=torch.uint8)
+    bias = torch.zeros(n, dtype=shape.dtype) if shape.bias else None
+    x = torch.zeros(batch, k, dtype=shape.dtype)
+    out_dtype = torch.float32 if shape.logits else shape.dtype
+    quant_matmul_triton(x, GGUFRows(rows, launch.qtype, n, k), bias, out_dtype)
 
 
 def _prepare_inputs(launch: lc.PrepareInputsLaunch, batch: int, max_model_len: int) -> None:
@@ -251,6 +266,7 @@ _LAUNCHERS: dict[type, Callable[[Any, int, int], None]] = {
     lc.RotaryLaunch: _rotary,
     lc.NormLaunch: _norm,
     lc.MatmulLaunch: _matmul,
+    lc.QuantMatmulLaunch: _quant_matmul,
     lc.PrepareInputsLaunch: _prepare_inputs,
     lc.SamplingLaunch: _sample,
     lc.LogprobsLaunch: _logprobs,
@@ -272,15 +288,18 @@ def kernels() -> list[str]:
     return sorted(names)
 
 
-def problems(binaries: list[Compiled], archs: tuple[int, ...]) -> list[str]:
-    """Compiler errors, kernels that no configuration starts, and kernels whose binary depends
-    on more than their configuration (the batch, max_model_len)."""
+def problems(
+    binaries: list[Compiled], archs: tuple[int, ...], every_kernel: bool = True
+) -> list[str]:
+    """Compiler errors, kernels that no configuration starts (`every_kernel`: all were
+    compiled), and kernels whose binary depends on more than their configuration (the batch,
+    max_model_len)."""
     out = [
         f"{b.kernel} for sm_{b.arch}, {b.launch}, constexprs {b.constexprs}:\n{b.error}"
         for b in binaries
         if b.error is not None
     ]
-    for kernel, arch in itertools.product(kernels(), archs):
+    for kernel, arch in itertools.product(kernels() if every_kernel else (), archs):
         if not any(b.kernel == kernel and b.arch == arch for b in binaries):
             out.append(f"{kernel} for sm_{arch}: no configuration in launch_configs.py starts it")
     variants: dict[tuple[str, int, str, str], set[str]] = {}
@@ -296,9 +315,18 @@ def problems(binaries: list[Compiled], archs: tuple[int, ...]) -> list[str]:
 
 
 def compile_all(
-    archs: tuple[int, ...] = ARCHS, jobs: int = 1, quick: bool = False
+    archs: tuple[int, ...] = ARCHS, jobs: int = 1, quick: bool = False, fp8_cache: bool = False
 ) -> list[Compiled]:
-    tasks = list(itertools.product(archs, lc.launches(quick)))
+    launches = [
+        launch
+        for launch in lc.launches(quick)
+        if not fp8_cache or getattr(launch, "cache_dtype", None) is not None
+    ]
+    tasks = [
+        (arch, launch)
+        for arch, launch in itertools.product(archs, launches)
+        if lc.runs_on(launch, arch)
+    ]
     if jobs == 1:
         results = [compile_launch(arch, launch) for arch, launch in tasks]
     else:
@@ -314,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="the default suite's share")
+    parser.add_argument("--fp8-cache", action="store_true", help="fp8 KV cache variants only")
     parser.add_argument("--cache-dir", default=str(envs.cache_dir() / "triton"))
     parser.add_argument("--json", help="write every binary and every problem to this file")
     args = parser.parse_args(argv)
@@ -323,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     # Also sets TRITON_CACHE_DIR, which the spawned workers inherit.
     triton.knobs.cache.dir = args.cache_dir
     archs = tuple(args.arch)
-    binaries = compile_all(archs, args.jobs, args.quick)
-    found = problems(binaries, archs)
+    binaries = compile_all(archs, args.jobs, args.quick, args.fp8_cache)
+    found = problems(binaries, archs, every_kernel=not args.fp8_cache)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"binaries": [asdict(b) for b in binaries], "problems": found}, f)
@@ -332,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED {problem}")
     print(
         f"{len({(b.kernel, b.arch, b.specialization) for b in binaries})} binaries of "
-        f"{len(kernels())} kernels for {len(lc.launches(args.quick))} configurations x "
-        f"{', '.join(f'sm_{a}' for a in archs)}: {len(found)} problems"
+        f"{len({b.kernel for b in binaries})} kernels for {len({b.launch for b in binaries})} "
+        f"configurations x {', '.join(f'sm_{a}' for a in archs)}: {len(found)} problems"
     )
     return 1 if found else 0
 

@@ -15,10 +15,15 @@ Batch invariance (PDSERVE_BATCH_INVARIANT): the split count above follows the ba
 blocks are shaped unlike prefill blocks, so a query's reduction order depends on its batch.
 Under the switch every batch runs prefill-shaped blocks, and every query's keys are split at
 BATCH_INVARIANT_SPLIT tokens: a query reduces each split's tiles in order, then folds the
-splits in order with `_merge`. Whether the splits run in one program each (num_splits > 1, the
-combine kernel folding them) or one after another in their block's program (num_splits == 1)
-is the launcher's choice by batch; both fold the same states with the same code, so the bits
-are the same.
+splits in order with `merge` (triton/attention_splits.py). Whether the splits run in one
+program each (num_splits > 1, the combine kernel folding them) or one after another in their
+block's program (num_splits == 1) is the launcher's choice by batch; both fold the same states
+with the same code, so the bits are the same.
+
+An fp8 cache (kernels/kv_cache.py): its codes widen exactly to the dot's dtype, and the scales
+apply to what the dots give, k_scale within the softmax scale and v_scale to the weighted sum
+of values: one multiply a score and one an output row, not one a cached element, and no
+rounding of code x scale to 16 bits.
 """
 
 from __future__ import annotations
@@ -30,16 +35,13 @@ import triton
 import triton.language as tl
 
 from pdserve import envs
+from pdserve.kernels.kv_cache import FP8_MAX, UNIT_SCALE, KVScale
 from pdserve.kernels.triton import launch_configs
+from pdserve.kernels.triton.attention_splits import combine_splits, merge, num_splits_heuristic
 
 if TYPE_CHECKING:
     from pdserve.kernels.attention import AttentionMetadata
 
-# Each split gets at least this many tiles, so that its partial write stays small next to its
-# KV reads.
-_MIN_TILES_PER_SPLIT = 4
-# Aim for this many programs per SM, so that the last wave is a small share of the work.
-_PROGRAMS_PER_SM = 4
 _LOG2E = 1.4426950408889634
 
 
@@ -62,24 +64,6 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
-def _merge(m_i, l_i, acc, m_s, l_s, acc_s):
-    # Fold a split's softmax state (max, sum, unnormalized output) into the running one. A split
-    # whose keys a row does not see (l_s == 0) leaves it as it is, and the first split a row sees
-    # is taken as it is, so a row with one split has exactly that split's state. The explicit
-    # fmas round the same way in every kernel that folds.
-    m_new = tl.maximum(m_i, m_s)
-    alpha = tl.exp2(m_i - m_new)
-    beta = tl.exp2(m_s - m_new)
-    first = l_i == 0
-    skip = l_s == 0
-    m_out = tl.where(skip, m_i, tl.where(first, m_s, m_new))
-    l_out = tl.where(skip, l_i, tl.where(first, l_s, tl.fma(l_i, alpha, l_s * beta)))
-    acc_new = tl.fma(acc, alpha[:, None], acc_s * beta[:, None])
-    acc_out = tl.where(skip[:, None], acc, tl.where(first[:, None], acc_s, acc_new))
-    return m_out, l_out, acc_out
-
-
 # The request count, the split count and the block table's row length (max_model_len's) are not
 # specialized: one binary serves every batch.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt", "num_splits", "window"])
@@ -95,6 +79,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     qk_scale,
     softcap,
+    v_scale,
     window,
     num_reqs,
     stride_qt,
@@ -118,6 +103,7 @@ def _paged_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SPLIT_TILES: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -211,7 +197,9 @@ def _paged_attention_kernel(
             acc_s = acc_s * alpha[:, None]
             acc_s = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc_s, input_precision=DOT_PRECISION)
             m_s = m_new
-        m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
+        if FP8:  # each split's own, so that its partial is folded the same in either kernel
+            acc_s *= v_scale
+        m_i, l_i, acc = merge(m_i, l_i, acc, m_s, l_s, acc_s)
 
     out_mask = row_valid[:, None] & d_valid[None, :]
     # Out is contiguous [num_tokens, num_heads, HEAD_DIM], partials [.., num_splits(, HEAD_DIM)].
@@ -226,70 +214,10 @@ def _paged_attention_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _combine_splits_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # One program per (token, kv head), like the attention kernel: it folds the splits in order,
-    # as the attention kernel does when one program runs them all. Padding rows past GROUP repeat
-    # the group's last head, so that all they load is defined.
-    token = tl.program_id(0)
-    offs_g = tl.arange(0, GROUP_PAD)
-    head = tl.program_id(1) * GROUP + tl.minimum(offs_g, GROUP - 1)
-    out_row = token * tl.num_programs(1) * GROUP + head
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM
-    m_i = tl.full([GROUP_PAD], -1e30, dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    for split in range(num_splits):
-        row = out_row * num_splits + split
-        m_s = tl.load(part_max_ptr + row)
-        l_s = tl.load(part_sum_ptr + row)
-        acc_s = tl.load(
-            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=d_valid[None, :],
-            other=0.0,
-        )
-        m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
-    # The first split holds key 0, visible to every query: the sum is > 0.
-    tl.store(
-        out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :],
-        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-        mask=(offs_g[:, None] < GROUP) & d_valid[None, :],
-    )
-
-
 # tl.dot on 16-bit inputs is wrong in the interpreter (triton#11584), so it multiplies in fp32
 # there. The jit decorator picked the interpreter or the compiler from this same knob.
 _INTERPRET = bool(triton.knobs.runtime.interpret)
 _DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-def num_splits_heuristic(
-    num_programs: int,
-    max_query_len: int,
-    max_seq_len: int,
-    block_q: int,
-    block_n: int,
-    num_sms: int,
-) -> int:
-    """KV splits per (query block, kv head): enough programs to fill num_sms SMs a few times
-    over, each split still long enough to amortize its partial write. Prefill blocks are many
-    and long already, so only decode-sized query blocks are split."""
-    if max_query_len > block_q:
-        return 1
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_programs)
-    affordable = triton.cdiv(max_seq_len, block_n) // _MIN_TILES_PER_SPLIT
-    return max(1, min(wanted, affordable, launch_configs.MAX_SPLITS))
 
 
 def paged_attention_triton(
@@ -301,13 +229,15 @@ def paged_attention_triton(
     batch_invariant: bool | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache
     (Triton), over each query's last `window` keys (0: all), scores soft-capped at `softcap`
-    (0: not); num_splits overrides the split-K heuristic. batch_invariant (default:
-    PDSERVE_BATCH_INVARIANT) splits every query's keys at BATCH_INVARIANT_SPLIT tokens instead;
-    num_splits (or the heuristic) then only chooses whether those splits run in a program each
-    (> 1) or one after another (1), which gives the same bits."""
+    (0: not), an fp8 cache's codes times `kv_scale`; num_splits overrides the split-K heuristic.
+    batch_invariant (default: PDSERVE_BATCH_INVARIANT) splits every query's keys at
+    BATCH_INVARIANT_SPLIT tokens instead; num_splits (or the heuristic) then only chooses whether
+    those splits run in a program each (> 1) or one after another (1), which gives the same
+    bits."""
     if batch_invariant is None:
         batch_invariant = envs.batch_invariant()
     num_tokens = md.num_actual_tokens
@@ -349,6 +279,10 @@ def paged_attention_triton(
     else:
         # Unused by the kernel, but float32 as the partials are: one binary for any split count.
         part_out = part_max = part_sum = query.new_empty(1, dtype=torch.float32)
+    fp8 = kv_cache.dtype in FP8_MAX
+    # The dot runs in the activations' dtype, which holds every fp8 code exactly.
+    dot_dtype = query.dtype if fp8 else kv_cache.dtype
+    k_scale, v_scale = kv_scale if fp8 else UNIT_SCALE
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out,
         part_out,
@@ -359,8 +293,9 @@ def paged_attention_triton(
         md.block_table,
         md.query_start_loc,
         md.seq_lens,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
         softcap * _LOG2E,
+        v_scale,
         window,
         md.num_reqs,
         *query.stride(),
@@ -375,22 +310,13 @@ def paged_attention_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        DOT_DTYPE=tl.float32 if _INTERPRET else _DOT_DTYPES[kv_cache.dtype],
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=tl.float32 if _INTERPRET else _DOT_DTYPES[dot_dtype],
+        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
         SPLIT_TILES=split_tiles,
+        FP8=fp8,
         num_warps=launch_configs.ATTENTION_NUM_WARPS,
         num_stages=launch_configs.ATTENTION_NUM_STAGES,
     )
     if num_splits > 1:
-        _combine_splits_kernel[(num_tokens, num_kv_heads)](
-            out,
-            part_out,
-            part_max,
-            part_sum,
-            num_splits,
-            HEAD_DIM=head_dim,
-            GROUP=group,
-            GROUP_PAD=group_pad,
-            BLOCK_D=block_d,
-        )
+        combine_splits(out, part_out, part_max, part_sum, group, group_pad, block_d)
     return out

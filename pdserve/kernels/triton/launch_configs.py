@@ -15,6 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.triton.matmul_configs import (
+    GGUF_SHAPE_NAMES,
+    MatmulLaunch,
+    QuantMatmulLaunch,
+    quant_matmuls,
+)
 from pdserve.utils import cdiv
 
 # Paged attention: a prefill query block holds this many rows (tokens x GQA heads); tl.dot
@@ -45,25 +51,6 @@ def rms_norm_num_warps(block: int) -> int:
     return 8 if block >= 4096 else 4
 
 
-@dataclass(frozen=True)
-class MatmulTiles:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int  # rows of tiles that walk the weight's columns together (L2 reuse)
-    num_warps: int
-    num_stages: int
-
-
-# The batch-invariant matmul's one configuration per dtype, whatever the shape: vLLM's
-# matmul_persistent's (batch_invariant.py). No split-K: a tile sums K in BLOCK_K steps in order.
-MATMUL_TILES = {
-    torch.bfloat16: MatmulTiles(128, 128, 64, 8, num_warps=8, num_stages=3),
-    torch.float16: MatmulTiles(128, 128, 64, 8, num_warps=8, num_stages=3),
-    torch.float32: MatmulTiles(128, 128, 32, 8, num_warps=8, num_stages=3),
-}
-
-
 # The configurations: model shapes in each dtype, block size and TP size, and every sampling
 # step the sampler can take for them.
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -71,6 +58,22 @@ BLOCK_SIZES = (16, 32)
 # Top logprobs a request may ask for: the OpenAI server's limit (entrypoints/openai/protocol.py).
 MAX_LOGPROBS = 20
 TP_SIZES = (1, 2)
+# The fp8 KV cache's formats (--kv-cache-dtype), in every configuration but a latent cache's (the
+# engine refuses fp8 there). Triton has e4m3 (its fp8e4nv) from compute capability 8.9 on only.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_LEAST_CAPABILITY = {torch.float8_e4m3fn: (8, 9)}
+
+
+def check_fp8_cache_on_cuda(dtype: torch.dtype, capability: tuple[int, int]) -> None:
+    """Refuse, by name, an fp8 KV cache of `dtype` on a GPU of compute `capability` (as
+    torch.cuda.get_device_capability gives it) for which Triton has no such format."""
+    least = _FP8_LEAST_CAPABILITY.get(dtype)
+    if least is not None and tuple(capability) < least:
+        raise ValueError(
+            f"An fp8 KV cache of {dtype} needs a GPU of compute capability {least[0]}.{least[1]} "
+            f"or later (Triton has no e4m3 below); this one is {capability[0]}.{capability[1]}. "
+            "kv_cache_dtype='fp8_e5m2' runs on it; 'auto' keeps the model's dtype."
+        )
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ class AttentionLaunch:
     prefill: bool  # query blocks of several tokens; else one-token decode blocks
     # PDSERVE_BATCH_INVARIANT: every batch in prefill-sized blocks, split at a fixed size.
     batch_invariant: bool = False
+    cache_dtype: torch.dtype | None = None  # one of FP8_CACHE_DTYPES; None: `dtype`
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,7 @@ class KVWriteLaunch:
     num_kv_heads: int
     head_size: int
     block_size: int
+    cache_dtype: torch.dtype | None = None  # one of FP8_CACHE_DTYPES; None: `dtype`
 
 
 @dataclass(frozen=True)
@@ -230,17 +235,6 @@ class NormLaunch:
     dtype: torch.dtype
     hidden_size: int
     residual: bool
-
-
-@dataclass(frozen=True)
-class MatmulLaunch:
-    """The batch-invariant matmul (PDSERVE_BATCH_INVARIANT) of one linear layer's weight."""
-
-    dtype: torch.dtype
-    out_features: int
-    in_features: int
-    bias: bool
-    logits: bool  # float32 out (the LM head); else the weight's dtype
 
 
 @dataclass(frozen=True)
@@ -274,6 +268,7 @@ Launch = (
     | RotaryLaunch
     | NormLaunch
     | MatmulLaunch
+    | QuantMatmulLaunch
     | PrepareInputsLaunch
     | SamplingLaunch
     | LogprobsLaunch
@@ -286,11 +281,13 @@ Launch = (
 # take ~9 s each to compile: the slow stage has them).
 QUICK_DTYPES = (torch.bfloat16,)
 QUICK_SHAPE_NAMES = ("SmolLM2-135M", "Qwen3-0.6B")
+# Of which the default model only with an fp8 cache: its variants double the attention binaries.
+QUICK_FP8_SHAPE_NAMES = ("SmolLM2-135M",)
 
 
 def launches(quick: bool = False) -> list[Launch]:
-    """Every configuration the engine launches for MODEL_SHAPES in DTYPES, BLOCK_SIZES and
-    TP_SIZES, without duplicates; `quick`: only the QUICK_ dtypes and shapes."""
+    """Every configuration the engine launches for MODEL_SHAPES in DTYPES, BLOCK_SIZES, TP_SIZES
+    and FP8_CACHE_DTYPES, without duplicates; `quick`: only the QUICK_ dtypes and shapes."""
     dtypes = QUICK_DTYPES if quick else DTYPES
     shapes = [s for s in MODEL_SHAPES if not quick or s.name in QUICK_SHAPE_NAMES]
     out: dict[Launch, None] = {}
@@ -299,20 +296,25 @@ def launches(quick: bool = False) -> list[Launch]:
             continue
         block_sizes = shape.block_sizes or BLOCK_SIZES
         for tp in TP_SIZES:
-            out.update(dict.fromkeys(shape.linears(dtype, tp)))
+            linears = shape.linears(dtype, tp)
+            out.update(dict.fromkeys(linears))
+            if shape.name in GGUF_SHAPE_NAMES:
+                out.update(dict.fromkeys(quant_matmuls(linears)))
             if (heads := shape.per_rank(tp)) is None:
                 continue
             # A rank's group: the model's, but MLA's one latent head serves each rank's heads.
             group = heads[0] // heads[1]
-            for block_size, prefill, invariant in itertools.product(
-                block_sizes, (False, True), (False, True)
+            fp8 = not shape.latent and (not quick or shape.name in QUICK_FP8_SHAPE_NAMES)
+            caches = (None, *FP8_CACHE_DTYPES) if fp8 else (None,)
+            for block_size, prefill, invariant, cache in itertools.product(
+                block_sizes, (False, True), (False, True), caches
             ):
                 launch = AttentionLaunch(
-                    dtype, shape.head_size, group, block_size, prefill, invariant
+                    dtype, shape.head_size, group, block_size, prefill, invariant, cache
                 )
                 out[launch] = None
-            for block_size in block_sizes:
-                out[KVWriteLaunch(dtype, heads[1], shape.head_size, block_size)] = None
+            for block_size, cache in itertools.product(block_sizes, caches):
+                out[KVWriteLaunch(dtype, heads[1], shape.head_size, block_size, cache)] = None
             out[RotaryLaunch(dtype, *heads, shape.rope_size())] = None
         for residual in (False, True):
             out[NormLaunch(dtype, shape.hidden_size, residual)] = None
@@ -333,3 +335,9 @@ def launches(quick: bool = False) -> list[Launch]:
     for block_size in BLOCK_SIZES:
         out[PrepareInputsLaunch(block_size)] = None
     return list(out)
+
+
+def runs_on(launch: Launch, arch: int) -> bool:
+    """Whether a GPU of sm_<arch> launches `launch`: not with an fp8 cache it refuses."""
+    cache = getattr(launch, "cache_dtype", None)
+    return cache is None or divmod(arch, 10) >= _FP8_LEAST_CAPABILITY.get(cache, (0, 0))

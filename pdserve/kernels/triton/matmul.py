@@ -4,7 +4,7 @@
 cuBLAS picks its kernel by the problem's shape, the number of rows included, and some of its
 kernels split K over thread blocks (split-K, stream-K): a row's sums then depend on how many
 rows share its batch. Here the tiles are one configuration per dtype
-(`launch_configs.MATMUL_TILES`), and every output tile sums K from 0 upwards, BLOCK_K at a time,
+(`matmul_configs.MATMUL_TILES`), and every output tile sums K from 0 upwards, BLOCK_K at a time,
 into one float32 accumulator: a row's result depends on its own row of x alone. The kernel is
 persistent: min(SMs, tiles) programs walk the output tiles, GROUP_M rows of tiles at a time so
 that they share the weight's columns in L2; which program computes a tile does not change it.
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdserve.kernels.triton import launch_configs
+from pdserve.kernels.triton import matmul_configs
 
 
 # The row count is not specialized: one binary serves every batch.
@@ -93,7 +93,7 @@ def matmul_triton(
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m:
-        tiles = launch_configs.MATMUL_TILES[weight.dtype]
+        tiles = matmul_configs.MATMUL_TILES[weight.dtype]
         num_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
         num_sms = (
             torch.cuda.get_device_properties(x.device).multi_processor_count

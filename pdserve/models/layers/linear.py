@@ -18,7 +18,7 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from pdserve.kernels.linear import PackedWeight, linear
-from pdserve.kernels.quant_linear import BLOCK, QuantWeight, block_bytes
+from pdserve.kernels.quant_linear import BLOCK, GGUFRows, QuantWeight, block_bytes
 from pdserve.models.utils import default_weight_loader, shard_sections, shard_tensor
 
 
@@ -51,7 +51,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # Set after loading where the weight can be packed (kernels/linear.py), or from its GGUF
         # blocks (kernels/quant_linear.py).
-        self.packed_weight: PackedWeight | QuantWeight | None = None
+        self.packed_weight: PackedWeight | QuantWeight | GGUFRows | None = None
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id: Any) -> None:
         """A checkpoint tensor into `param`; one kept in GGUF blocks (`gguf_qtype`) into rows of

@@ -13,7 +13,7 @@ from pdserve.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from pdserve.kernels.linear import PackedWeight, linear
-from pdserve.kernels.quant_linear import QuantWeight
+from pdserve.kernels.quant_linear import GGUFRows, QuantWeight
 from pdserve.models.utils import default_weight_loader
 from pdserve.utils import cdiv
 
@@ -39,7 +39,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         # Set after loading where the weight can be packed for the LM head (kernels/linear.py),
         # from its GGUF blocks where the checkpoint kept them (kernels/quant_linear.py).
-        self.packed_weight: PackedWeight | QuantWeight | None = None
+        self.packed_weight: PackedWeight | QuantWeight | GGUFRows | None = None
         self.gguf_blocks: tuple[torch.Tensor, int] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -66,7 +66,6 @@ def test_bf16_blocks_stay_near_the_dequantized_logprobs() -> None:
     [
         ({"quantization": "awq"}, "quantization must be one of 'gguf', 'none', got 'awq'"),
         ({"quantization": "gguf", "model": "tiny"}, "keeps a .gguf file's blocks; .* is an HF"),
-        ({"quantization": "gguf", "device": "cuda"}, "on CUDA: the Triton dequantize-matmul"),
     ],
 )
 def test_where_blocks_cannot_go_is_named(tiny_model, args, message) -> None:
@@ -82,13 +81,33 @@ def test_where_blocks_cannot_go_is_named(tiny_model, args, message) -> None:
         pytest.param({}, "gguf", marks=needs_vnni),
         pytest.param({"tensor_parallel_size": 3}, "gguf", marks=needs_vnni),
         pytest.param({"pipeline_parallel_size": 2}, "gguf", marks=needs_vnni),
-        ({"device": "cuda"}, "none"),
+        ({"device": "cuda"}, "gguf"),  # the Triton dequantize-matmul's blocks
     ],
 )
 def test_unset_serves_the_blocks_where_they_run(args, implied) -> None:
     """vLLM's rule, a GGUF file implies gguf, where pdserve's blocks run; else dequantized."""
     config = EngineConfig.from_engine_args(**args)
     assert config.model_config.quantization == implied
+
+
+@pytest.mark.parametrize(
+    ("device", "missing", "message"),
+    [
+        ("cpu", "pdserve.kernels.quant_linear.available", "needs the CPU kernel of kernels/"),
+        (
+            "cuda",
+            "pdserve.kernels.backend.HAS_TRITON",
+            "on cuda needs the Triton dequantize-matmul",
+        ),
+    ],
+)
+def test_without_the_kernel_that_reads_them_blocks_are_named(monkeypatch, device, missing, message):
+    """The device picks the kernel: on CPU quant_linear.py's (AVX-512 VNNI and BF16), on CUDA
+    the Triton dequantize-matmul. Without it `gguf` is refused by name; unset dequantizes."""
+    monkeypatch.setattr(missing, (lambda: False) if device == "cpu" else False)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_engine_args(quantization="gguf", device=device)
+    assert EngineConfig.from_engine_args(device=device).model_config.quantization == "none"
 
 
 def test_a_row_parallel_share_that_would_split_blocks_is_dequantized(caplog) -> None:

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.quants import dequantize, quantize
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels.quant_linear import QTYPES, QuantWeight
+from pdserve.kernels.quant_linear import QTYPES, GGUFRows, QuantWeight
 from pdserve.models.loader.gguf import load_tokenizer
 from tests.unit.engine.test_gguf_blocks import needs_vnni
 from tests.utils.tiny_models import (
@@ -193,8 +193,10 @@ def test_the_file_is_in_llama_cpp_layout(tiny_gguf) -> None:
 
 
 def _pdserve_greedy(
-    path: str, prompts: list[list[int]], quantization: str, fmt: str
+    path: str, prompts: list[list[int]], quantization: str, fmt: str, kept: type = QuantWeight
 ) -> list[list[int]]:
+    """Greedy tokens; on blocks, `kept` holds them: QuantWeight for the CPU kernel, GGUFRows
+    for the Triton kernel."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(model=path, quantization=quantization, dtype="float32", max_model_len=256) as llm:
         model = llm.engine_core.executor.worker.model_runner.model
@@ -202,8 +204,8 @@ def _pdserve_greedy(
         head = model.lm_head.packed_weight
         if quantization == "gguf":
             head_format = (FORMATS[fmt][1] or FORMATS[fmt][0]).name
-            assert isinstance(qkv, QuantWeight) and qkv.qtype == QTYPES[fmt]
-            assert isinstance(head, QuantWeight) and head.qtype == QTYPES[head_format]
+            assert isinstance(qkv, kept) and qkv.qtype == QTYPES[fmt]
+            assert isinstance(head, kept) and head.qtype == QTYPES[head_format]
         else:
             assert not isinstance(qkv, QuantWeight) and not isinstance(head, QuantWeight)
         prompts = [{"prompt_token_ids": p} for p in prompts]
@@ -216,3 +218,22 @@ def _pdserve_greedy(
 def test_tiny_gguf_greedy_matches_transformers(tiny_gguf, quantization) -> None:
     fmt, path, prompts, expected = tiny_gguf
     assert _pdserve_greedy(path, prompts, quantization, fmt) == expected
+
+
+# The tied head (the embedding's blocks moved to the device) in the default suite; 14 s each.
+@pytest.mark.parametrize(
+    "tiny_gguf",
+    [
+        "Q8_0",
+        pytest.param("Q4_0", marks=pytest.mark.slow),
+        pytest.param("Q4_1", marks=pytest.mark.slow),
+    ],
+    indirect=True,
+)
+def test_tiny_gguf_on_the_triton_kernel_matches_transformers(tiny_gguf, monkeypatch) -> None:
+    """The Triton backend (CUDA's, forced here: the interpreter without a GPU) keeps the blocks
+    as the file stores them for the Triton dequantize-matmul, and needs no CPU kernel."""
+    monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "triton")
+    monkeypatch.setattr("pdserve.kernels.quant_linear.available", lambda: False)
+    fmt, path, prompts, expected = tiny_gguf
+    assert _pdserve_greedy(path, prompts, "gguf", fmt, kept=GGUFRows) == expected

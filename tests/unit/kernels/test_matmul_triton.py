@@ -64,7 +64,7 @@ def test_leading_dimensions_and_no_rows() -> None:
 
 # Batch sizes around the 128-row tile (past 128: a second one).
 ROWS = [1, 2, 3, 7, 16, 17, 33, 64, 70, 129, 140]
-TILE_ROWS = 128  # launch_configs.MATMUL_TILES' block_m
+TILE_ROWS = 128  # matmul_configs.MATMUL_TILES' block_m
 
 
 def _positions(m: int) -> list[int]:
