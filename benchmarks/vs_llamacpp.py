@@ -53,7 +53,6 @@ tokens a sequence (the prefill cancels).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -72,15 +71,13 @@ USER_ENV = dict(os.environ)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving import stop_server, wait_healthy  # noqa: E402
-from vs_vllm import print_log_tail, stop_on_sigterm  # noqa: E402
+from vs_vllm import stop_on_sigterm  # noqa: E402
+from vs_vllm_serve import bench_fresh_server  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.entrypoints.bench_serve import (  # noqa: E402
     COMPLETIONS,
     PROMPTS,
-    benchmark,
-    fetch_model,
     sample_prompts,
 )
 from pdserve.models.loader.source import default_model_path  # noqa: E402
@@ -221,42 +218,12 @@ def server_command(
 def serve_run(engine: str, model: Path, rate: float, round_: int, args: argparse.Namespace) -> dict:
     """One benchmark of a freshly started server."""
     port = get_open_port()
-    base_url = f"http://127.0.0.1:{port}"
     argv, env = server_command(engine, model, port, args)
     log = args.cache / "logs" / f"vs_llamacpp_serve-{engine}-{rate:g}-{round_}.log"
-    with open(log, "w") as out:
-        launched = time.perf_counter()
-        # Its own process group, so that stop_server reaches the server's engine processes too.
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            try:
-                wait_healthy(proc, base_url)
-            except (RuntimeError, TimeoutError):
-                print_log_tail(log)
-                raise
-            startup_s = time.perf_counter() - launched
-            name = asyncio.run(fetch_model(base_url))
-            warmup_prompt = max(PROMPTS, key=len)
-            warmup = asyncio.run(
-                benchmark(base_url, COMPLETIONS, name, [warmup_prompt], 1.0, WARMUP_TOKENS, 0)
-            )
-            if warmup["failed"]:
-                raise RuntimeError(f"{engine}'s warm-up request failed: {warmup['errors']}")
-            load = os.getloadavg()[0]  # the context of the figures on shared cores
-            result = asyncio.run(
-                benchmark(
-                    base_url, COMPLETIONS, name, sample_prompts(args.num_prompts), rate,
-                    args.max_tokens, args.seed, label=f"{engine} {rate:g} {round_}",
-                )
-            )  # fmt: skip
-        finally:
-            stop_server(proc)
-    if result["failed"]:
-        print_log_tail(log)
-        raise RuntimeError(f"{engine}: {result['failed']} requests failed: {result['errors'][:3]}")
-    return {**result, "startup_s": startup_s, "load": load}
+    load_args = (sample_prompts(args.num_prompts), rate, args.max_tokens, args.seed)
+    warmup_prompt = max(PROMPTS, key=len)
+    label = f"{engine} {rate:g} {round_}"
+    return bench_fresh_server(argv, env, port, log, COMPLETIONS, warmup_prompt, load_args, label)
 
 
 def online(args: argparse.Namespace) -> dict:

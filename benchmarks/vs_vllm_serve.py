@@ -87,19 +87,25 @@ def server_command(engine: str, model: Path, port: int, args: argparse.Namespace
     return [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", *flags]
 
 
-def bench_server(engine: str, model: Path, round_: int, args: argparse.Namespace) -> dict:
-    port = get_open_port()
+def bench_fresh_server(
+    argv: list[str],
+    env: dict[str, str],
+    port: int,
+    log: Path,
+    endpoint: str,
+    warmup_prompt: str,
+    load_args: tuple,
+    label: str,
+) -> dict:
+    """Start a server (its own process group, so that stop_server reaches its engine processes
+    too), wait for /health, send one short warm-up request, run `benchmark` with `load_args`
+    (prompts, request rate, max tokens, seed) and stop it, also on failure. The summary, with
+    the start-up time and the machine's load at the start."""
     base_url = f"http://127.0.0.1:{port}"
-    log = args.cache_dir / "logs" / f"vs_vllm_serve-{model.name}-{engine}-{round_}.log"
     with open(log, "w") as out:
         launched = time.perf_counter()
-        # Its own process group, so that stop_server reaches the server's engine processes too.
         proc = subprocess.Popen(
-            server_command(engine, model, port, args),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=engine_env(engine, args.threads, args.kv_cache_gib),
-            start_new_session=True,
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
             try:
@@ -110,29 +116,35 @@ def bench_server(engine: str, model: Path, round_: int, args: argparse.Namespace
             startup_s = time.perf_counter() - launched
             name = asyncio.run(fetch_model(base_url))
             warmup = asyncio.run(
-                benchmark(base_url, args.endpoint, name, [WARMUP_PROMPT], 1.0, WARMUP_TOKENS, 0)
+                benchmark(base_url, endpoint, name, [warmup_prompt], 1.0, WARMUP_TOKENS, 0)
             )
             if warmup["failed"]:
-                raise RuntimeError(f"{engine}'s warm-up request failed: {warmup['errors']}")
+                raise RuntimeError(f"{label}: the warm-up request failed: {warmup['errors']}")
             load = os.getloadavg()[0]  # the context of the figures on shared cores
-            result = asyncio.run(
-                benchmark(
-                    base_url,
-                    args.endpoint,
-                    name,
-                    sample_prompts(args.num_prompts),
-                    args.request_rate,
-                    args.max_tokens,
-                    args.seed,
-                    label=f"{engine} {round_}",
-                )
-            )
+            result = asyncio.run(benchmark(base_url, endpoint, name, *load_args, label=label))
         finally:
             stop_server(proc)
     if result["failed"]:
         print_log_tail(log)
-        raise RuntimeError(f"{engine}: {result['failed']} requests failed: {result['errors'][:3]}")
-    return {**result, "engine": engine, "round": round_, "startup_s": startup_s, "load": load}
+        raise RuntimeError(f"{label}: {result['failed']} requests failed: {result['errors'][:3]}")
+    return {**result, "startup_s": startup_s, "load": load}
+
+
+def bench_server(engine: str, model: Path, round_: int, args: argparse.Namespace) -> dict:
+    port = get_open_port()
+    log = args.cache_dir / "logs" / f"vs_vllm_serve-{model.name}-{engine}-{round_}.log"
+    load_args = (sample_prompts(args.num_prompts), args.request_rate, args.max_tokens, args.seed)
+    result = bench_fresh_server(
+        server_command(engine, model, port, args),
+        engine_env(engine, args.threads, args.kv_cache_gib),
+        port,
+        log,
+        args.endpoint,
+        WARMUP_PROMPT,
+        load_args,
+        f"{engine} {round_}",
+    )
+    return {**result, "engine": engine, "round": round_}
 
 
 def main() -> None:

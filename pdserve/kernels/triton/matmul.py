@@ -83,6 +83,30 @@ _INTERPRET = bool(triton.knobs.runtime.interpret)
 _DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+def persistent_launch(
+    tiles: matmul_configs.MatmulTiles, m: int, n: int, device: torch.device, dtype: torch.dtype
+) -> tuple[tuple[int], dict]:
+    """(grid, constants) of a persistent matmul launch: min(SMs, tiles) programs, the tiles'
+    sizes, the dot's dtype and precision for inputs of `dtype`."""
+    num_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
+    num_sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 1  # the interpreter runs programs one after another
+    )
+    constants = {
+        "DOT_DTYPE": tl.float32 if _INTERPRET else _DOT_DTYPES[dtype],
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "BLOCK_M": tiles.block_m,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_K": tiles.block_k,
+        "GROUP_M": tiles.group_m,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
+    }
+    return (min(num_sms, num_tiles),), constants
+
+
 def matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -94,13 +118,8 @@ def matmul_triton(
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m:
         tiles = matmul_configs.MATMUL_TILES[weight.dtype]
-        num_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
-        num_sms = (
-            torch.cuda.get_device_properties(x.device).multi_processor_count
-            if x.device.type == "cuda"
-            else 1  # the interpreter runs programs one after another
-        )
-        _matmul_kernel[(min(num_sms, num_tiles),)](
+        grid, constants = persistent_launch(tiles, m, n, x.device, weight.dtype)
+        _matmul_kernel[grid](
             x2,
             weight,
             bias if bias is not None else out,
@@ -112,14 +131,7 @@ def matmul_triton(
             *weight.stride(),
             out.stride(0),
             HAS_BIAS=bias is not None,
-            DOT_DTYPE=tl.float32 if _INTERPRET else _DOT_DTYPES[weight.dtype],
-            DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
-            BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n,
-            BLOCK_K=tiles.block_k,
-            GROUP_M=tiles.group_m,
-            num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
+            **constants,
         )
     return out.view(*x.shape[:-1], n)
 

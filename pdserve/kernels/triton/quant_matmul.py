@@ -23,6 +23,7 @@ import triton.language as tl
 
 from pdserve.kernels.quant_linear import BLOCK, QTYPES, TRITON_QTYPES, GGUFRows, block_bytes
 from pdserve.kernels.triton import matmul_configs
+from pdserve.kernels.triton.matmul import persistent_launch
 
 Q4_1, Q8_0 = QTYPES["Q4_1"], QTYPES["Q8_0"]
 
@@ -107,12 +108,6 @@ def _quant_matmul_kernel(
         )
 
 
-# tl.dot on 16-bit inputs is wrong in the interpreter (triton#11584), so it multiplies in fp32
-# there. The jit decorator picked the interpreter or the compiler from this same knob.
-_INTERPRET = bool(triton.knobs.runtime.interpret)
-_DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
 def _check(weight: GGUFRows) -> None:
     if weight.qtype not in TRITON_QTYPES:
         raise ValueError(
@@ -144,13 +139,8 @@ def quant_matmul_triton(
         # The kernel steps from row to row by a row's bytes.
         rows = weight.data.contiguous()
         tiles = matmul_configs.QUANT_MATMUL_TILES[x.dtype]
-        num_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
-        num_sms = (
-            torch.cuda.get_device_properties(x.device).multi_processor_count
-            if x.device.type == "cuda"
-            else 1  # the interpreter runs programs one after another
-        )
-        _quant_matmul_kernel[(min(num_sms, num_tiles),)](
+        grid, constants = persistent_launch(tiles, m, n, x.device, x.dtype)
+        _quant_matmul_kernel[grid](
             x2,
             rows,
             rows.view(torch.float16),
@@ -164,14 +154,7 @@ def quant_matmul_triton(
             HAS_MIN=weight.qtype == Q4_1,
             BLOCK_BYTES=block_bytes(weight.qtype),
             HAS_BIAS=bias is not None,
-            DOT_DTYPE=tl.float32 if _INTERPRET else _DOT_DTYPES[x.dtype],
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n,
-            BLOCK_K=tiles.block_k,
-            GROUP_M=tiles.group_m,
-            num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
+            **constants,
         )
     return out.view(*x.shape[:-1], n)
 
