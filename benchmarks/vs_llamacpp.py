@@ -72,7 +72,7 @@ USER_ENV = dict(os.environ)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vs_vllm import stop_on_sigterm  # noqa: E402
-from vs_vllm_serve import bench_fresh_server  # noqa: E402
+from vs_vllm_serve import METRICS, bench_fresh_server  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.entrypoints.bench_serve import (  # noqa: E402
@@ -90,15 +90,6 @@ THREADS = 2
 # Prompt tokens each llama-server slot holds beside --max-tokens: the longest built-in prompt
 # is about 60 tokens, and a sequence that outgrows its slot would not get its --max-tokens.
 SLOT_PROMPT_ROOM = 128
-WARMUP_TOKENS = 4
-# (label, key in bench_serve's summary); throughput first, then latencies in ms.
-METRICS = [
-    ("output tok/s", "output_throughput"),
-    ("TTFT p50 ms", "p50_ttft_ms"),
-    ("TTFT p99 ms", "p99_ttft_ms"),
-    ("ITL p50 ms", "p50_itl_ms"),
-    ("ITL p99 ms", "p99_itl_ms"),
-]
 
 
 def llamacpp_files(bin_dir: Path, cache: Path) -> dict[str, Path]:

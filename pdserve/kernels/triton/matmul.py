@@ -20,6 +20,19 @@ import triton.language as tl
 from pdserve.kernels.triton import matmul_configs
 
 
+@triton.jit
+def tile_offsets(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile `tile`'s rows and columns, GROUP_M rows of tiles at a time (they share the
+    weight's columns in L2); which program computes a tile does not change it."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    tiles_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = tile // tiles_per_group * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + tile % tiles_per_group % group_m
+    pid_n = tile % tiles_per_group // group_m
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
 # The row count is not specialized: one binary serves every batch.
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
@@ -43,17 +56,10 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * num_n
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
-        first_m = tile // tiles_per_group * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + tile % tiles_per_group % group_m
-        pid_n = tile % tiles_per_group // group_m
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        offs_m, offs_n = tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         m_valid = offs_m < M
         n_valid = offs_n < N
         x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from pdserve.kernels.quant_linear import BLOCK, QTYPES, TRITON_QTYPES, GGUFRows, block_bytes
 from pdserve.kernels.triton import matmul_configs
-from pdserve.kernels.triton.matmul import persistent_launch
+from pdserve.kernels.triton.matmul import persistent_launch, tile_offsets
 
 Q4_1, Q8_0 = QTYPES["Q4_1"], QTYPES["Q8_0"]
 
@@ -52,9 +52,6 @@ def _quant_matmul_kernel(
     GROUP_M: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K % 32 == 0, "a K step covers whole GGUF blocks")
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * num_n
     row_bytes = K // 32 * BLOCK_BYTES
     offs_k = tl.arange(0, BLOCK_K)
     # Where each k of a step sits in its block: the block's index in the step, the quant's byte.
@@ -65,13 +62,9 @@ def _quant_matmul_kernel(
         # Weights j and j + 16 share byte j of the quants, low nibble and high.
         quant_byte = (4 if HAS_MIN else 2) + offs_k % 16
         nibble_shift = offs_k % 32 // 16 * 4
-    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
-        first_m = tile // tiles_per_group * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + tile % tiles_per_group % group_m
-        pid_n = tile % tiles_per_group // group_m
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        offs_m, offs_n = tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         m_valid = offs_m < M
         n_valid = offs_n < N
         x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
