@@ -18,7 +18,7 @@ from pdserve.kernels.attention import (
     rope_attention_cpu,
 )
 from pdserve.kernels.cpu import native
-from pdserve.kernels.kv_cache import write_kv_cache
+from pdserve.kernels.kv_cache import UNIT_SCALE, write_kv_cache
 from pdserve.kernels.rotary import rotary_embedding
 from pdserve.models.layers.rotary_embedding import get_rope
 from tests.unit.kernels.test_attention import MIXED, TOLERANCE, WINDOWED, _batch, _select
@@ -151,9 +151,19 @@ def test_rope_attention_gives_the_three_kernels_bits(group: int, head_dim: int) 
     """Rotary + cache write + attention in one call: the output and the cache are bit for bit
     what the three kernels give (groups over 8 and odd head sizes take the scalar paths)."""
     qkv, positions, table, kv_cache, md, num_heads = _qkv_batch(group, head_dim)
+    check_rope_attention(qkv, positions, table, kv_cache, md, num_heads, head_dim)
+
+
+def check_rope_attention(
+    qkv, positions, table, kv_cache, md, num_heads: int, head_dim: int, kv_scale=UNIT_SCALE
+) -> None:
+    """The fused call's output and the cache it leaves against rotary, the cache write and
+    attention run one by one: bit for bit."""
     num_kv_heads, scale = kv_cache.shape[3], head_dim**-0.5
     fused_cache, steps_cache = kv_cache.clone(), kv_cache.clone()
-    out = rope_attention_cpu(qkv, positions, table, fused_cache, md, num_heads, head_dim, scale)
+    out = rope_attention_cpu(
+        qkv, positions, table, fused_cache, md, num_heads, head_dim, scale, kv_scale=kv_scale
+    )
     assert out is not None and out.shape == (md.num_actual_tokens, num_heads * head_dim)
     q, k, v = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=-1)
     q, k = rotary_embedding(
@@ -162,9 +172,10 @@ def test_rope_attention_gives_the_three_kernels_bits(group: int, head_dim: int) 
         k.unflatten(-1, (num_kv_heads, head_dim)),
         table,
     )
-    write_kv_cache(k, v.unflatten(-1, (num_kv_heads, head_dim)), steps_cache, md.slot_mapping)
-    expected = paged_attention(q, steps_cache, md, scale)
-    assert torch.equal(fused_cache, steps_cache)
+    v = v.unflatten(-1, (num_kv_heads, head_dim))
+    write_kv_cache(k, v, steps_cache, md.slot_mapping, kv_scale)
+    expected = paged_attention(q, steps_cache, md, scale, kv_scale=kv_scale)
+    assert torch.equal(fused_cache.view(torch.uint8), steps_cache.view(torch.uint8))
     assert torch.equal(out, expected.flatten(1))
 
 

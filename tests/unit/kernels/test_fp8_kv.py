@@ -7,18 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.attention import paged_attention_cpu, paged_attention_torch, rope_attention_cpu
+from pdserve.kernels.attention import paged_attention_cpu, paged_attention_torch
 from pdserve.kernels.cpu import native
 from pdserve.kernels.kv_cache import (
     FP8_MAX,
     quantize_kv,
-    write_kv_cache,
     write_kv_cache_cpu,
     write_kv_cache_torch,
 )
-from pdserve.kernels.rotary import rotary_embedding
 from tests.unit.kernels.test_attention import MIXED, _batch, _select
-from tests.unit.kernels.test_attention_cpu import _qkv_batch
+from tests.unit.kernels.test_attention_cpu import _qkv_batch, check_rope_attention
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # float32-representable scales: the kernels and torch then multiply by the same reciprocal.
@@ -105,22 +103,4 @@ def test_rope_attention_over_fp8_gives_the_three_kernels_bits(fp8) -> None:
     qkv, positions, table, bf16_cache, md, num_heads = _qkv_batch(3, 64)
     kv_scale = SCALES[2]
     cache = torch.stack([quantize_kv(bf16_cache[:, i], fp8, kv_scale[i]) for i in (0, 1)], dim=1)
-    num_kv_heads, head_dim = cache.shape[3], 64
-    scale = head_dim**-0.5
-    fused_cache, steps_cache = cache.clone(), cache.clone()
-    out = rope_attention_cpu(
-        qkv, positions, table, fused_cache, md, num_heads, head_dim, scale, kv_scale=kv_scale
-    )
-    assert out is not None
-    q, k, v = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=-1)
-    q, k = rotary_embedding(
-        positions,
-        q.unflatten(-1, (num_heads, head_dim)),
-        k.unflatten(-1, (num_kv_heads, head_dim)),
-        table,
-    )
-    v = v.unflatten(-1, (num_kv_heads, head_dim))
-    write_kv_cache(k, v, steps_cache, md.slot_mapping, kv_scale)
-    expected = paged_attention_cpu(q, steps_cache, md, scale, kv_scale=kv_scale)
-    assert torch.equal(fused_cache.view(torch.uint8), steps_cache.view(torch.uint8))
-    assert torch.equal(out, expected.flatten(1))
+    check_rope_attention(qkv, positions, table, cache, md, num_heads, 64, kv_scale)
