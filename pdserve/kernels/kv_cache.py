@@ -12,6 +12,7 @@ scales are per layer, `kv_scale = (k_scale, v_scale)`, 1.0 unless the checkpoint
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -33,6 +34,8 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tens
     return (x.float() * inverse(scale)).clamp(-limit, limit).to(dtype)
 
 
+# Cached: every attention call's geometry asks for its layer's two (1.0 for a bf16 cache).
+@functools.cache
 def inverse(scale: float) -> float:
     """1 / scale rounded to float32, the factor the kernels store with."""
     return float(torch.tensor(1.0 / scale, dtype=torch.float32))
