@@ -17,7 +17,6 @@ from pdserve.config import EngineConfig
 from pdserve.distributed import parallel_state
 from pdserve.kernels.linear import pack_linear_weights
 from pdserve.models import loader
-from pdserve.models.layers.attention import Attention
 from pdserve.models.state_cache import (
     StateCaches,
     StateModelCaches,
@@ -106,9 +105,6 @@ class ModelRunnerBase:
     def _calculate_kv_scales(self) -> None:
         token_ids = self.model_config.load_tokenizer().encode(kv_scales.CALIBRATION_TEXT)
         scales = kv_scales.calculate_kv_scales(self.model, token_ids, self.dtype, self.device)
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer, scale in zip(layers, scales, strict=True):
-            layer.kv_scale = scale
         logger.info(
             "KV scales calculated from %d tokens: k %.3g..%.3g, v %.3g..%.3g",
             len(token_ids),

@@ -32,8 +32,8 @@ _BLOCK = 16
 def calculate_kv_scales(
     model: nn.Module, token_ids: list[int], dtype: torch.dtype, device: torch.device
 ) -> list[KVScale]:
-    """Each attention layer's (k_scale, v_scale), in the model's order, from one prefill of
-    `token_ids`; a layer that stored only zeros keeps 1.0."""
+    """Each attention layer's (k_scale, v_scale) from one prefill of `token_ids`, set on the
+    layers and returned in the model's order; a layer that stored only zeros keeps 1.0."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     n = len(token_ids)
     num_blocks = cdiv(n, _BLOCK) + 1  # block 0 stays the null block, as in the engine
@@ -57,4 +57,6 @@ def calculate_kv_scales(
         # Rounded to float32 here: the kernels store with that value's reciprocal.
         scale = (k / K_SCALE_CONSTANT if k else 1.0, v / V_SCALE_CONSTANT if v else 1.0)
         scales.append(tuple(float(torch.tensor(s, dtype=torch.float32)) for s in scale))
+    for layer, scale in zip(layers, scales, strict=True):
+        layer.kv_scale = scale
     return scales
